@@ -1,0 +1,26 @@
+"""flybatch: write the computation for ONE instance; flybatch batches many on the fly.
+
+    with fb.Graph() as g:
+        losses = [model(x) for x in minibatch]   # plain Python per instance: loops, recursion
+        loss = fb.esum(losses)
+        loss.backward()                          # one batched forward, one batched backward
+"""
+
+from .errors import GraphError, ShapeError
+from .graph import Expression, Graph, current_graph, new_graph
+from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, dropout, emax, esum,
+                  exp, input, log, log_softmax, logistic, lookup, matmul, mean_elems, mul, neg,
+                  ones, parameter, pick, pick_neg_log_softmax, rectify, relu, reshape, sigmoid,
+                  slice_rows, softmax, sqrt, square, squared_distance, squared_norm, sub,
+                  sum_elems, tanh, transpose, zeros)
+from .stats import Stats
+from . import nn  # noqa: E402  (needs the ops above)
+
+__all__ = [
+    "Expression", "Graph", "GraphError", "ShapeError", "Stats", "abs", "add", "affine", "average",
+    "cdiv", "cmult", "concat", "current_graph", "div", "dot", "dropout", "emax", "esum", "exp",
+    "input", "log", "log_softmax", "logistic", "lookup", "matmul", "mean_elems", "mul", "neg",
+    "new_graph", "nn", "ones", "parameter", "pick", "pick_neg_log_softmax", "rectify", "relu",
+    "reshape", "sigmoid", "slice_rows", "softmax", "sqrt", "square", "squared_distance",
+    "squared_norm", "sub", "sum_elems", "tanh", "transpose", "zeros",
+]

@@ -1,0 +1,358 @@
+"""The lazy per-instance graph: a struct-of-arrays node store and the handles users hold.
+
+Creating a node does no torch work: it appends the op, its argument node ids, the inferred shape,
+the interned signature and the depth to plain Python lists and returns an `Expression` handle.
+A forward (asked for by `value()`, `backward()` or `Graph.forward`) schedules every pending node
+(`scheduling.py`) and runs the schedule as batched kernels (`execution.py`). Node ids are
+creation order, which is a topological order, so "pending" is simply `ids >= n_done`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from . import signatures
+from .errors import GraphError
+
+Shape = tuple[int, ...]
+STRATEGIES = ("none", "depth", "agenda")
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """An operation: its batched kernel and how the executor should feed it.
+
+    `kernel(xs, attrs, shape)` gets one tensor per argument position with the batch in dim 0
+    (dim 0 may be 1 when every node of the batch shares that argument: a parameter, an interned
+    constant), `attrs` (per-node list when `per_node_attrs`, else the first node's attr) and the
+    per-instance output shape; it returns `[B, *shape]` (or `[1, *shape]`, expanded by the executor).
+    Variadic ops with at least `stack_from` arguments of equal shape get ONE stacked argument
+    `[B, k, *shape]` gathered in a single copy instead of k separate ones.
+    """
+
+    name: str
+    kernel: Callable[..., torch.Tensor] | None = None
+    leaf: bool = False
+    per_node_attrs: bool = False
+    stack_from: int | None = None
+    cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
+
+    def __repr__(self) -> str:
+        return f"Op({self.name})"
+
+
+def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
+    return torch.stack([graph.attrs[n] for n in nodes]).to(graph.device, graph.dtype)
+
+
+def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
+    (node,) = nodes  # a parameter is one node per graph, never batched with another
+    return graph.attrs[node].unsqueeze(0)
+
+
+def _filled_kernel(value: float) -> Callable[["Graph", Sequence[int]], torch.Tensor]:
+    def kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
+        shape = (len(nodes),) + graph.shapes[nodes[0]]
+        return torch.full(shape, value, device=graph.device, dtype=graph.dtype)
+
+    return kernel
+
+
+INPUT = Op("input", _input_kernel, leaf=True)
+PARAMETER = Op("parameter", _parameter_kernel, leaf=True)
+ZEROS = Op("zeros", _filled_kernel(0.0), leaf=True)
+ONES = Op("ones", _filled_kernel(1.0), leaf=True)
+
+
+class Expression:
+    """A handle on one node of a graph. Nothing is computed until a value is asked for."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, graph: "Graph", node: int):
+        self.graph = graph
+        self.id = node
+
+    @property
+    def shape(self) -> Shape:
+        return self.graph.shapes[self.id]
+
+    @property
+    def op(self) -> str:
+        return self.graph.ops[self.id].name
+
+    def value(self) -> torch.Tensor:
+        """This node's value, running one batched forward over every pending node if needed."""
+        return self.graph.value_of(self.id)
+
+    def item(self) -> float:
+        return self.value().item()
+
+    def numpy(self) -> np.ndarray:
+        return self.value().detach().cpu().numpy()
+
+    def argmax(self) -> int:
+        return int(self.value().argmax())
+
+    def backward(self, retain_graph: bool = False) -> None:
+        """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does."""
+        self.graph.backward(self, retain_graph=retain_graph)
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    # Comparisons ask for the value (so control flow can depend on it). `==` and `!=` keep
+    # identity semantics so that expressions stay usable as dict keys and in `in` tests.
+    def __lt__(self, other: Any) -> bool:
+        return bool(self.value() < _plain(other))
+
+    def __le__(self, other: Any) -> bool:
+        return bool(self.value() <= _plain(other))
+
+    def __gt__(self, other: Any) -> bool:
+        return bool(self.value() > _plain(other))
+
+    def __ge__(self, other: Any) -> bool:
+        return bool(self.value() >= _plain(other))
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        state = "done" if self.id < self.graph.n_done else "pending"
+        return f"Expression(#{self.id} {self.op} {self.shape}, {state})"
+
+
+def _plain(x: Any) -> Any:
+    return x.value() if isinstance(x, Expression) else x
+
+
+class Graph:
+    """A computation graph that batches the nodes of many instances on the fly.
+
+    Use it as a context manager to make it current; leaving the `with` block closes it and frees
+    its values (expressions of a closed graph raise `GraphError`).
+    """
+
+    def __init__(self, strategy: str = "agenda", device: str | torch.device | None = None,
+                 dtype: torch.dtype = torch.float32):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        self.strategy = strategy
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype
+        # The node store, one entry per node (struct of arrays).
+        self.ops: list[Op] = []
+        self.args: list[tuple[int, ...]] = []
+        self.shapes: list[Shape] = []
+        self.sigs: list[int] = []
+        self.depths: list[int] = []
+        self.attrs: list[Any] = []
+        self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
+        # Execution state: node -> (batch, row) of `values`, filled by the scheduler.
+        self.n_done = 0
+        self.values: list[torch.Tensor] = []
+        self.node_batch = np.zeros(0, dtype=np.int64)
+        self.node_row = np.zeros(0, dtype=np.int64)
+        self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
+        self.gathers = 0
+        self.gathers_avoided = 0
+        self.seconds = {"build": 0.0, "schedule": 0.0, "forward": 0.0, "backward": 0.0}
+        self.closed = False
+        # Set by `map_batched`: called before a value request forces a forward, so that the
+        # instance can wait until every other instance has asked too.
+        self.before_value_request: Callable[[], None] | None = None
+        self._idle_since = time.perf_counter()
+        self._previous: list[Graph] = []
+
+    # ---- node creation -------------------------------------------------------------------
+    def add(self, op: Op, args: tuple[int, ...], shape: Shape, sig_key: tuple,
+            attr: Any = None) -> Expression:
+        """Append a node; the hot path of graph building, so plain Python only."""
+        if self.closed:
+            raise GraphError("this graph is closed; create a new one (fb.Graph() / fb.new_graph())")
+        node = len(self.ops)
+        self.ops.append(op)
+        self.args.append(args)
+        self.shapes.append(shape)
+        self.sigs.append(signatures.intern(sig_key))
+        depths = self.depths
+        self.depths.append(1 + max([depths[a] for a in args]) if args else 0)
+        self.attrs.append(attr)
+        return Expression(self, node)
+
+    def parameter_node(self, tensor: torch.Tensor) -> int:
+        """The one node of `tensor` in this graph, so every use of it shares its signature."""
+        key = ("parameter", id(tensor))
+        node = self._leaf_nodes.get(key)
+        if node is None:
+            if self.device is None:
+                self.device = tensor.device
+            node = len(self.ops)
+            self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
+            self._leaf_nodes[key] = node
+        return node
+
+    def constant_node(self, kind: str, shape: Shape, value: float = 0.0) -> int:
+        """An interned constant (zeros, ones or a scalar): one node however often it is used."""
+        key = (kind, shape, value)
+        node = self._leaf_nodes.get(key)
+        if node is None:
+            node = len(self.ops)
+            if kind == "zeros":
+                self.add(ZEROS, (), shape, ("zeros", shape))
+            elif kind == "ones":
+                self.add(ONES, (), shape, ("ones", shape))
+            else:
+                self.add(INPUT, (), shape, ("input", shape), torch.tensor(value, dtype=self.dtype))
+            self._leaf_nodes[key] = node
+        return node
+
+    def input_node(self, tensor: torch.Tensor) -> int:
+        shape = tuple(tensor.shape)
+        return self.add(INPUT, (), shape, ("input", shape), tensor.detach()).id
+
+    def node_of(self, x: Expression) -> int:
+        """The node id of `x`, checking that it belongs to this (open) graph."""
+        if x.graph is not self:
+            if x.graph.closed:
+                raise GraphError(f"{x!r} belongs to a closed graph; expressions cannot outlive "
+                                 "their graph (create them in the current graph)")
+            raise GraphError(f"{x!r} belongs to another graph; one op cannot mix two graphs")
+        return x.id
+
+    # ---- evaluation ----------------------------------------------------------------------
+    @property
+    def n_nodes(self) -> int:
+        return len(self.ops)
+
+    def forward(self, exprs: Iterable[Expression] | None = None) -> list[torch.Tensor] | None:
+        """Run every pending node as batched kernels; return the values of `exprs` if given.
+
+        The graph may keep growing afterwards: the next forward runs only the new nodes and
+        reads the earlier results where it needs them (incremental forward).
+        """
+        from . import execution, scheduling  # the stages after this one
+
+        self._check_open()
+        start, end = self.n_done, self.n_nodes
+        if end > start:
+            now = time.perf_counter()
+            self.seconds["build"] += now - self._idle_since
+            self._grow_positions(end)
+            n_batches, n_launches = len(self.values), len(self.launches)
+            counters = (self.gathers, self.gathers_avoided)
+            try:
+                schedule = scheduling.schedule(self, start, end)
+                t1 = time.perf_counter()
+                self.seconds["schedule"] += t1 - now
+                execution.run(self, schedule)
+                self.seconds["forward"] += time.perf_counter() - t1
+            except BaseException:
+                # Leave nothing half-executed: the pending nodes stay pending, so the graph is
+                # exactly as it was before this forward and a later forward can retry.
+                del self.values[n_batches:]
+                del self.launches[n_launches:]
+                self.gathers, self.gathers_avoided = counters
+                self.node_batch[start:end] = -1
+                raise
+            self.n_done = end
+            self._idle_since = time.perf_counter()
+        if exprs is None:
+            return None
+        return [self.value_of(self.node_of(e)) for e in exprs]
+
+    def value_of(self, node: int) -> torch.Tensor:
+        self._check_open()
+        if node >= self.n_done:
+            if self.before_value_request is not None:
+                self.before_value_request()
+            if node >= self.n_done:
+                self.forward()
+        return self.values[self.node_batch[node]][self.node_row[node]]
+
+    def backward(self, expr: Expression, retain_graph: bool = False) -> None:
+        value = self.value_of(self.node_of(expr))
+        if value.dim() != 0:
+            raise ValueError(f"backward() needs a scalar expression, got shape {expr.shape}")
+        start = time.perf_counter()
+        value.backward(retain_graph=retain_graph)
+        self.seconds["backward"] += time.perf_counter() - start
+        self._idle_since = time.perf_counter()
+
+    def _grow_positions(self, n: int) -> None:
+        have = len(self.node_batch)
+        if n > have:
+            grow = max(n, 2 * have) - have
+            self.node_batch = np.concatenate([self.node_batch, np.full(grow, -1, np.int64)])
+            self.node_row = np.concatenate([self.node_row, np.zeros(grow, np.int64)])
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GraphError("this graph is closed and its values were freed; "
+                             "ask for values inside its `with` block")
+
+    def close(self) -> None:
+        """Free the values (and the autograd graph behind them); further use raises GraphError."""
+        self.closed = True
+        self.values = []
+        self.attrs = []
+        self._leaf_nodes = {}
+
+    def __enter__(self) -> "Graph":
+        self._previous.append(current._graph)
+        current._graph = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        current._graph = self._previous.pop()
+        self.close()
+
+    def stats(self):
+        from .stats import collect
+
+        return collect(self)
+
+    def __repr__(self) -> str:
+        return (f"Graph(strategy={self.strategy!r}, nodes={self.n_nodes}, "
+                f"done={self.n_done}, batches={len(self.launches)})")
+
+
+class _Current:
+    """The graph new nodes go to: the innermost `with Graph()`, else a default graph."""
+
+    def __init__(self) -> None:
+        self._graph: Graph | None = None
+
+    def get(self) -> Graph:
+        if self._graph is None or self._graph.closed:
+            self._graph = Graph()
+        return self._graph
+
+
+current = _Current()
+
+
+def current_graph() -> Graph:
+    return current.get()
+
+
+def new_graph(strategy: str = "agenda", device: str | torch.device | None = None,
+              dtype: torch.dtype = torch.float32) -> Graph:
+    """Close the current default graph and start a fresh one (DyNet's `renew_cg`)."""
+    old = current._graph
+    if old is not None and not old._previous:
+        old.close()
+    current._graph = Graph(strategy, device, dtype)
+    return current._graph

@@ -1,0 +1,306 @@
+"""Building blocks: `torch.nn.Module`s whose calls take and return flybatch expressions.
+
+They own ordinary torch Parameters, so `state_dict`, optimizers and checkpoints work unchanged.
+A recurrent cell application is ONE fused node whose batched kernel computes the whole cell
+(sharing the cell's parameters in its signature), plus two zero-copy slices for its (h, c)
+outputs: graph size is what the user pays for in Python, so a cell must not cost 15 nodes.
+Module calls skip `torch.nn.Module.__call__`'s hook machinery (`__call__ = forward`) because
+they only build graph nodes, and they are called once per instance per step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from . import ops
+from .graph import Expression, Op
+from .ops import Operand
+
+State = tuple[Expression, Expression]  # (h, c)
+
+
+def _uniform(module: nn.Module, hidden_size: int) -> None:
+    bound = 1.0 / math.sqrt(hidden_size)
+    for p in module.parameters():
+        nn.init.uniform_(p, -bound, bound)
+
+
+def _fused(op: Op, name: str, args: Sequence[Operand], shape: tuple[int, ...],
+           attr: object = None) -> Expression:
+    """One node of a fused op; its signature shares every parameter and every input shape."""
+    g = ops.graph_of(*args)
+    nodes = tuple(ops.node(g, a) for a in args)
+    key = (name, tuple(ops._param_tag(g, n) or g.shapes[n] for n in nodes), attr)
+    return g.add(op, nodes, shape, key, attr)
+
+
+def _split_state(out: Expression, hidden: int) -> State:
+    return ops.slice_rows(out, 0, hidden), ops.slice_rows(out, hidden, 2 * hidden)
+
+
+class Linear(nn.Module):
+    """`W x + b` (an `affine` node) or `W x` without bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        _uniform(self, in_features)
+
+    def forward(self, x: Operand) -> Expression:
+        if self.bias is None:
+            return ops.matmul(self.weight, x)
+        return ops.affine(self.weight, x, self.bias)
+
+    __call__ = forward
+
+
+class Embedding(nn.Module):
+    """A lookup table; `sparse=True` gives sparse gradients (only the rows used)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, sparse: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim) * 0.1)
+        self.sparse = sparse
+
+    def forward(self, index: int) -> Expression:
+        return ops.lookup(self.weight, index, sparse=self.sparse)
+
+    __call__ = forward
+
+
+class MLP(nn.Module):
+    """Linear layers with an activation between them (not after the last)."""
+
+    def __init__(self, sizes: Sequence[int], activation=ops.tanh):
+        super().__init__()
+        self.layers = nn.ModuleList(Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.activation = activation
+
+    def forward(self, x: Operand) -> Expression:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = self.activation(x)
+        return x
+
+    __call__ = forward
+
+
+# ---- LSTM ----------------------------------------------------------------------------------------
+def _lstm_kernel(xs, attr, shape):
+    x, h, c, w_ih, w_hh, b = xs
+    gates = torch.addmm(b[0], x, w_ih[0].T) + h @ w_hh[0].T
+    i, f, g, o = gates.chunk(4, 1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.cat([torch.sigmoid(o) * torch.tanh(c), c], 1)
+
+
+LSTM_CELL = Op("lstm_cell", _lstm_kernel)
+
+
+class LSTMCell(nn.Module):
+    """A standard LSTM cell (PyTorch's gate order i, f, g, o; one bias)."""
+
+    def __init__(self, input_size: int, hidden_size: int):
+        super().__init__()
+        self.input_size, self.hidden_size = input_size, hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(4 * hidden_size, input_size))
+        self.weight_hh = nn.Parameter(torch.empty(4 * hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.empty(4 * hidden_size))
+        _uniform(self, hidden_size)
+
+    def forward(self, x: Operand, state: State | None = None) -> State:
+        if state is None:
+            zero = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
+            state = (zero, zero)
+        h, c = state
+        out = _fused(LSTM_CELL, "lstm_cell",
+                     (x, h, c, self.weight_ih, self.weight_hh, self.bias), (2 * self.hidden_size,))
+        return _split_state(out, self.hidden_size)
+
+    __call__ = forward
+
+
+class LSTM(nn.Module):
+    """Runs LSTM cells over a list of expressions; returns the top layer's outputs.
+
+    With `bidirectional=True` each output is `[forward h_t; backward h_t]`, and a layer above
+    reads those concatenations.
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bidirectional: bool = False):
+        super().__init__()
+        directions = 2 if bidirectional else 1
+        self.bidirectional = bidirectional
+        self.forward_cells = nn.ModuleList()
+        self.backward_cells = nn.ModuleList()
+        for layer in range(num_layers):
+            size = input_size if layer == 0 else hidden_size * directions
+            self.forward_cells.append(LSTMCell(size, hidden_size))
+            if bidirectional:
+                self.backward_cells.append(LSTMCell(size, hidden_size))
+
+    @staticmethod
+    def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
+        state, out = None, []
+        for x in xs:
+            state = cell(x, state)
+            out.append(state[0])
+        return out
+
+    def forward(self, xs: Sequence[Operand]) -> list[Expression]:
+        xs = list(xs)
+        for layer, cell in enumerate(self.forward_cells):
+            fwd = self.run(cell, xs)
+            if not self.bidirectional:
+                xs = fwd
+                continue
+            bwd = self.run(self.backward_cells[layer], xs[::-1])[::-1]
+            xs = [ops.concat([f, b]) for f, b in zip(fwd, bwd)]
+        return xs
+
+    __call__ = forward
+
+
+# ---- GRU -----------------------------------------------------------------------------------------
+def _gru_kernel(xs, attr, shape):
+    x, h, w_ih, w_hh, b_ih, b_hh = xs
+    gx = torch.addmm(b_ih[0], x, w_ih[0].T)
+    gh = h @ w_hh[0].T + b_hh[0]
+    rx, zx, nx = gx.chunk(3, 1)
+    rh, zh, nh = gh.chunk(3, 1)
+    r, z = torch.sigmoid(rx + rh), torch.sigmoid(zx + zh)
+    n = torch.tanh(nx + r * nh)
+    return (1 - z) * n + z * h
+
+
+GRU_CELL = Op("gru_cell", _gru_kernel)
+
+
+class GRUCell(nn.Module):
+    """A GRU cell with PyTorch's equations and parameter layout (gates r, z, n)."""
+
+    def __init__(self, input_size: int, hidden_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(3 * hidden_size, input_size))
+        self.weight_hh = nn.Parameter(torch.empty(3 * hidden_size, hidden_size))
+        self.bias_ih = nn.Parameter(torch.empty(3 * hidden_size))
+        self.bias_hh = nn.Parameter(torch.empty(3 * hidden_size))
+        _uniform(self, hidden_size)
+
+    def forward(self, x: Operand, h: Expression | None = None) -> Expression:
+        if h is None:
+            h = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
+        return _fused(GRU_CELL, "gru_cell", (x, h, self.weight_ih, self.weight_hh, self.bias_ih,
+                                            self.bias_hh), (self.hidden_size,))
+
+    __call__ = forward
+
+
+# ---- Tree-LSTM -------------------------------------------------------------------------------------
+def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """From the i, o, u pre-activations and the forget-gated children's cells, [h; c]."""
+    i, o, u = iou.chunk(3, 1)
+    cell = torch.sigmoid(i) * torch.tanh(u)
+    if c is not None:
+        cell = cell + c
+    return torch.cat([torch.sigmoid(o) * torch.tanh(cell), cell], 1)
+
+
+def _tree_leaf_kernel(xs, attr, shape):
+    x, w, b = xs
+    return _finish(torch.addmm(b[0], x, w[0].T), None)
+
+
+def _nary_kernel(xs, attr, shape):
+    n, has_x = attr
+    hs, cs = xs[:n], xs[n:2 * n]
+    u_iou, u_f, b_iou, b_f = xs[2 * n:2 * n + 4]
+    size = max(t.shape[0] for t in xs[:2 * n])
+    iou = torch.addmm(b_iou[0], torch.cat([h.expand(size, -1) for h in hs], 1), u_iou[0].T)
+    if has_x:
+        x, w = xs[2 * n + 4:]
+        iou = iou + x @ w[0].T
+    c = sum(torch.sigmoid(torch.addmm(b_f[0], h, u_f[0, k].T)) * ck
+            for k, (h, ck) in enumerate(zip(hs, cs)))
+    return _finish(iou, c)
+
+
+def _child_sum_kernel(xs, attr, shape):
+    n = attr
+    hs, cs = xs[:n], xs[n:2 * n]
+    x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[2 * n:]
+    iou = torch.addmm(b_iou[0], x, w_iou[0].T)
+    if n == 0:
+        return _finish(iou, None)
+    iou = iou + sum(hs[1:], hs[0]) @ u_iou[0].T
+    fx = torch.addmm(b_f[0], x, w_f[0].T)
+    c = sum(torch.sigmoid(fx + h @ u_f[0].T) * ck for h, ck in zip(hs, cs))
+    return _finish(iou, c)
+
+
+TREE_LEAF = Op("tree_lstm_leaf", _tree_leaf_kernel)
+TREE_NARY = Op("tree_lstm_nary", _nary_kernel)
+TREE_CHILD_SUM = Op("tree_lstm_child_sum", _child_sum_kernel)
+
+
+class TreeLSTMCell(nn.Module):
+    """Tree-LSTM cells (Tai et al. 2015): N-ary (ordered children) or child-sum.
+
+    N-ary: `leaf(x)` computes i, o, u from a word vector; `cell(children, x=None)` computes
+    i, o, u from `[h_1; ...; h_N]` (and x if given) and one forget gate per child position:
+        f_k = sigmoid(U_f[k] h_k + b_f),  c = i*u + sum_k f_k*c_k,  h = o*tanh(c).
+    Child-sum: any number of children, x required:
+        i, o, u from W x + U sum_k h_k + b;  f_k = sigmoid(W_f x + U_f h_k + b_f).
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, arity: int = 2,
+                 child_sum: bool = False):
+        super().__init__()
+        H = self.hidden_size = hidden_size
+        self.arity, self.child_sum = arity, child_sum
+        self.W_iou = nn.Parameter(torch.empty(3 * H, input_size))
+        self.b_iou = nn.Parameter(torch.empty(3 * H))
+        self.b_f = nn.Parameter(torch.empty(H))
+        if child_sum:
+            self.U_iou = nn.Parameter(torch.empty(3 * H, H))
+            self.W_f = nn.Parameter(torch.empty(H, input_size))
+            self.U_f = nn.Parameter(torch.empty(H, H))
+        else:
+            self.U_iou = nn.Parameter(torch.empty(3 * H, arity * H))
+            self.U_f = nn.Parameter(torch.empty(arity, H, H))
+        _uniform(self, H)
+
+    def leaf(self, x: Operand) -> State:
+        if self.child_sum:
+            return self.forward([], x)
+        out = _fused(TREE_LEAF, "tree_lstm_leaf", (x, self.W_iou, self.b_iou),
+                     (2 * self.hidden_size,))
+        return _split_state(out, self.hidden_size)
+
+    def forward(self, children: Sequence[State], x: Operand | None = None) -> State:
+        hs = [h for h, _ in children]
+        cs = [c for _, c in children]
+        shape = (2 * self.hidden_size,)
+        if self.child_sum:
+            if x is None:
+                raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
+            args = (*hs, *cs, x, self.W_iou, self.U_iou, self.W_f, self.U_f, self.b_iou, self.b_f)
+            out = _fused(TREE_CHILD_SUM, "tree_lstm_child_sum", args, shape, len(children))
+        else:
+            if len(children) != self.arity:
+                raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
+            args = (*hs, *cs, self.U_iou, self.U_f, self.b_iou, self.b_f)
+            if x is not None:
+                args += (x, self.W_iou)
+            out = _fused(TREE_NARY, "tree_lstm_nary", args, shape, (self.arity, x is not None))
+        return _split_state(out, self.hidden_size)
+
+    __call__ = forward

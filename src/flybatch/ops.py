@@ -1,0 +1,493 @@
+"""The ops: for each, its shape rule, its signature rule and its batched kernel, side by side.
+
+Every user-facing function creates one node and does no torch work. Shapes are per instance
+(the batch dimension never appears here); kernels see the batch in dim 0. Families share one
+helper each: unary elementwise, binary elementwise (with NumPy broadcasting of per-instance
+shapes), variadic reductions over lists, and products with a shared parameter.
+
+Signature rules (the paper's heuristic): elementwise ops by op and shapes; dimension-sensitive
+ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter node, so that
+every `W @ h_i` of a batch becomes ONE `H @ W.T`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import ShapeError
+from .graph import PARAMETER, Expression, Graph, Op, Shape, current_graph
+
+Operand = Any  # an Expression, a torch.Tensor, an ndarray or a Python number
+
+
+# ---- operands ------------------------------------------------------------------------------
+def graph_of(*operands: Operand) -> Graph:
+    """The graph of the first expression among `operands`, else the current graph."""
+    for x in operands:
+        if isinstance(x, Expression):
+            return x.graph
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, Expression):
+                    return y.graph
+    return current_graph()
+
+
+def node(g: Graph, x: Operand) -> int:
+    """The node id of an operand, wrapping tensors and numbers as leaves of `g`."""
+    if isinstance(x, Expression):
+        return g.node_of(x)
+    if isinstance(x, torch.Tensor):
+        return g.parameter_node(x) if x.requires_grad else g.input_node(x)
+    if isinstance(x, numbers.Real):
+        return g.constant_node("scalar", (), float(x))
+    if isinstance(x, np.ndarray):
+        return g.input_node(torch.from_numpy(x))
+    raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
+
+
+def _param_tag(g: Graph, n: int) -> str | None:
+    """`P<node>` when node `n` is a parameter: ops that share it batch as one product."""
+    return f"P{n}" if g.ops[n] is PARAMETER else None
+
+
+# ---- leaves ------------------------------------------------------------------------------
+def input(x: Any, graph: Graph | None = None) -> Expression:  # noqa: A001 - DyNet's name
+    """A constant input (tensor, ndarray, list or float); no gradient flows into it."""
+    g = graph or current_graph()
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(np.asarray(x, dtype=np.float64))
+    return Expression(g, g.input_node(x))
+
+
+def parameter(p: torch.Tensor, graph: Graph | None = None) -> Expression:
+    """The graph's single node for tensor `p`; gradients accumulate into `p.grad`."""
+    g = graph or current_graph()
+    return Expression(g, g.parameter_node(p))
+
+
+def zeros(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
+    g = graph or current_graph()
+    return Expression(g, g.constant_node("zeros", _as_shape(shape)))
+
+
+def ones(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
+    g = graph or current_graph()
+    return Expression(g, g.constant_node("ones", _as_shape(shape)))
+
+
+def _as_shape(shape: int | Sequence[int]) -> Shape:
+    return (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(d) for d in shape)
+
+
+def _lookup_kernel(xs, attrs, shape):
+    table, sparse = attrs[0][0], attrs[0][2]
+    index = torch.tensor([a[1] for a in attrs], device=table.device)
+    return F.embedding(index, table, sparse=sparse)
+
+
+LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True)
+
+
+def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | None = None,
+           graph: Graph | None = None) -> Expression:
+    """Row `index` of an embedding matrix (or `torch.nn.Embedding`).
+
+    All lookups into one table batch into one `embedding` call. With `sparse=True` (the default
+    for an `nn.Embedding(sparse=True)`), the table's gradient is sparse: only the rows used.
+    """
+    if isinstance(table, torch.nn.Embedding):
+        sparse = table.sparse if sparse is None else sparse
+        table = table.weight
+    sparse = bool(sparse)
+    g = graph or current_graph()
+    if table.dim() != 2:
+        raise ShapeError(f"lookup: the table must be a matrix, got shape {tuple(table.shape)}")
+    i = int(index)
+    if not 0 <= i < table.shape[0]:
+        raise IndexError(f"lookup: index {i} out of range for a table of {table.shape[0]} rows")
+    if g.device is None:
+        g.device = table.device
+    shape = (table.shape[1],)
+    return g.add(LOOKUP, (), shape, ("lookup", f"T{id(table)}", sparse, shape), (table, i, sparse))
+
+
+# ---- unary elementwise ---------------------------------------------------------------------
+def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], cheap: bool = True):
+    op = Op(name, lambda xs, attr, shape: fn(xs[0]), cheap=cheap)
+
+    def apply(x: Operand) -> Expression:
+        g = graph_of(x)
+        n = node(g, x)
+        shape = g.shapes[n]
+        return g.add(op, (n,), shape, (name, shape))
+
+    apply.__name__ = name
+    apply.__doc__ = f"Elementwise {name}."
+    return apply
+
+
+tanh = _unary("tanh", torch.tanh)
+sigmoid = logistic = _unary("sigmoid", torch.sigmoid)
+relu = rectify = _unary("relu", torch.relu)
+exp = _unary("exp", torch.exp)
+log = _unary("log", torch.log)
+abs = _unary("abs", torch.abs)  # noqa: A001 - the math name
+sqrt = _unary("sqrt", torch.sqrt)
+square = _unary("square", torch.square)
+neg = _unary("neg", torch.neg)
+
+
+# ---- binary elementwise, with NumPy broadcasting of per-instance shapes ----------------------
+def broadcast_shapes(op: str, a: Shape, b: Shape) -> Shape:
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da != db and da != 1 and db != 1:
+            raise ShapeError(f"{op}: shapes {a} and {b} do not broadcast")
+        out.append(max(da, db))
+    return tuple(reversed(out))
+
+
+def _align(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Insert the per-instance leading 1s that broadcasting needs, after the batch dim."""
+    missing = ndim - (x.dim() - 1)
+    return x.reshape(x.shape[0], *([1] * missing), *x.shape[1:]) if missing > 0 else x
+
+
+def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    op = Op(name, lambda xs, attr, shape: fn(_align(xs[0], len(shape)), _align(xs[1], len(shape))),
+            cheap=True)
+
+    def apply(a: Operand, b: Operand) -> Expression:
+        g = graph_of(a, b)
+        na, nb = node(g, a), node(g, b)
+        sa, sb = g.shapes[na], g.shapes[nb]
+        shape = sa if sa == sb else broadcast_shapes(name, sa, sb)
+        return g.add(op, (na, nb), shape, (name, sa, sb))
+
+    apply.__name__ = name
+    return apply
+
+
+add = _binary("add", torch.add)
+sub = _binary("sub", torch.sub)
+cmult = mul = _binary("mul", torch.mul)
+cdiv = div = _binary("div", torch.div)
+
+
+# ---- products ----------------------------------------------------------------------------
+def _matmul_kernel(xs, attr, shape):
+    a, b = xs
+    a_vec, b_vec = attr
+    if a_vec and b_vec:  # dot product of two vectors
+        return (a * b).sum(-1)
+    if b_vec:  # matrix @ vector: a shared W gives ONE [B, n] x [n, m] product
+        return b @ a[0].T if a.shape[0] == 1 else (a @ b.unsqueeze(-1)).squeeze(-1)
+    if a_vec:  # vector @ matrix
+        return a @ b[0] if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
+    return torch.matmul(a, b)  # matrix @ matrix, batched (bmm), broadcasting a shared operand
+
+
+MATMUL = Op("matmul", _matmul_kernel)
+
+
+def matmul(a: Operand, b: Operand) -> Expression:
+    """`a @ b` for vectors and matrices (per instance), as `torch.matmul`."""
+    g = graph_of(a, b)
+    na, nb = node(g, a), node(g, b)
+    sa, sb = g.shapes[na], g.shapes[nb]
+    if not (1 <= len(sa) <= 2 and 1 <= len(sb) <= 2) or sa[-1] != sb[0]:
+        raise ShapeError(f"matmul: cannot multiply shapes {sa} and {sb}")
+    shape = sa[:-1] + sb[1:]
+    vecs = (len(sa) == 1, len(sb) == 1)
+    return g.add(MATMUL, (na, nb), shape, ("matmul", _param_tag(g, na), sa, sb), vecs)
+
+
+def _affine_kernel(xs, attr, shape):
+    w, x, b = xs
+    if w.shape[0] == 1 and b.shape[0] == 1:
+        return torch.addmm(b[0], x, w[0].T)
+    return (w @ x.unsqueeze(-1)).squeeze(-1) + b
+
+
+AFFINE = Op("affine", _affine_kernel)
+
+
+def affine(W: Operand, x: Operand, b: Operand) -> Expression:
+    """`W @ x + b` as one node (one `addmm` per batch)."""
+    g = graph_of(x, W, b)
+    nw, nx, nb = node(g, W), node(g, x), node(g, b)
+    sw, sx, sb = g.shapes[nw], g.shapes[nx], g.shapes[nb]
+    if len(sw) != 2 or sx != (sw[1],) or sb != (sw[0],):
+        raise ShapeError(f"affine: W {sw} @ x {sx} + b {sb} do not fit")
+    return g.add(AFFINE, (nw, nx, nb), (sw[0],),
+                 ("affine", _param_tag(g, nw), _param_tag(g, nb), sw, sx))
+
+
+# ---- lists ---------------------------------------------------------------------------------
+def _list_kernel(stacked: Callable, positional: Callable):
+    """A variadic kernel: one stacked `[B, k, ...]` argument, or k positional ones."""
+    def kernel(xs, attr, shape):
+        if len(xs) == 1 and xs[0].dim() == len(shape) + 2:
+            return stacked(xs[0])
+        return positional([x.expand(max(y.shape[0] for y in xs), *x.shape[1:]) for x in xs])
+    return kernel
+
+
+ESUM = Op("esum", _list_kernel(lambda x: x.sum(1), lambda xs: sum(xs[1:], xs[0])), stack_from=3)
+AVERAGE = Op("average", _list_kernel(lambda x: x.mean(1),
+                                     lambda xs: sum(xs[1:], xs[0]) / len(xs)), stack_from=3)
+EMAX = Op("emax", _list_kernel(lambda x: x.max(1).values,
+                               lambda xs: torch.stack(xs, 1).max(1).values), stack_from=3)
+
+
+def _same_shape_list(name: str, op: Op, xs: Sequence[Operand]) -> Expression:
+    if len(xs) == 0:
+        raise ValueError(f"{name}: needs at least one expression")
+    g = graph_of(*xs)
+    nodes = tuple(node(g, x) for x in xs)
+    shape = g.shapes[nodes[0]]
+    for n in nodes:
+        if g.shapes[n] != shape:
+            raise ShapeError(f"{name}: all shapes must be equal, got "
+                             f"{sorted({g.shapes[m] for m in nodes})}")
+    return g.add(op, nodes, shape, (name, shape, len(nodes)))
+
+
+def esum(xs: Sequence[Operand]) -> Expression:
+    """The sum of a list of expressions of equal shape (one stacked gather, one sum)."""
+    return _same_shape_list("esum", ESUM, xs)
+
+
+def average(xs: Sequence[Operand]) -> Expression:
+    return _same_shape_list("average", AVERAGE, xs)
+
+
+def emax(xs: Sequence[Operand]) -> Expression:
+    """Elementwise maximum of a list of expressions."""
+    return _same_shape_list("emax", EMAX, xs)
+
+
+def _concat_kernel(xs, dim, shape):
+    if len(xs) == 1 and xs[0].dim() == len(shape) + 2:  # stacked [B, k, n, ...] along dim 0
+        x = xs[0]
+        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    size = max(x.shape[0] for x in xs)
+    return torch.cat([x.expand(size, *x.shape[1:]) for x in xs], dim + 1)
+
+
+CONCAT = Op("concat", _concat_kernel, stack_from=8, cheap=True)
+_CONCAT_POSITIONAL = Op("concat", _concat_kernel, cheap=True)
+
+
+def concat(xs: Sequence[Operand], dim: int = 0) -> Expression:
+    """Concatenate along `dim` (per-instance dims; 0 for vectors)."""
+    if len(xs) == 0:
+        raise ValueError("concat: needs at least one expression")
+    g = graph_of(*xs)
+    nodes = tuple(node(g, x) for x in xs)
+    shapes = tuple(g.shapes[n] for n in nodes)
+    first = shapes[0]
+    if not 0 <= dim < len(first):
+        raise ShapeError(f"concat: dim {dim} out of range for shape {first}")
+    for s in shapes:
+        if len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]:
+            raise ShapeError(f"concat: shapes {list(shapes)} differ outside dim {dim}")
+    shape = first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
+    # Only equal shapes along dim 0 can be gathered as one stacked tensor and reshaped.
+    op = CONCAT if dim == 0 and len(set(shapes)) == 1 else _CONCAT_POSITIONAL
+    return g.add(op, nodes, shape, ("concat", shapes, dim), dim)
+
+
+# ---- reductions and losses -------------------------------------------------------------------
+def _reduction(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    op = Op(name, lambda xs, attr, shape: fn(xs[0].reshape(xs[0].shape[0], -1)))
+
+    def apply(x: Operand) -> Expression:
+        g = graph_of(x)
+        n = node(g, x)
+        return g.add(op, (n,), (), (name, g.shapes[n]))
+
+    apply.__name__ = name
+    return apply
+
+
+sum_elems = _reduction("sum_elems", lambda x: x.sum(1))
+mean_elems = _reduction("mean_elems", lambda x: x.mean(1))
+squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
+
+
+def dot(a: Operand, b: Operand) -> Expression:
+    """The dot product of two vectors."""
+    g = graph_of(a, b)
+    if len(g.shapes[node(g, a)]) != 1:
+        raise ShapeError(f"dot: needs vectors, got shape {g.shapes[node(g, a)]}")
+    return matmul(a, b)
+
+
+def squared_distance(a: Operand, b: Operand) -> Expression:
+    return squared_norm(sub(a, b))
+
+
+def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    op = Op(name, lambda xs, attr, shape: fn(xs[0]))
+
+    def apply(x: Operand) -> Expression:
+        g = graph_of(x)
+        n = node(g, x)
+        shape = g.shapes[n]
+        if len(shape) != 1:
+            raise ShapeError(f"{name}: needs a vector, got shape {shape}")
+        return g.add(op, (n,), shape, (name, shape))
+
+    apply.__name__ = name
+    return apply
+
+
+softmax = _softmax("softmax", lambda x: torch.softmax(x, -1))
+log_softmax = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
+
+
+def _indices(attrs: list, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(attrs, device=like.device)
+
+
+def _pick_kernel(xs, attrs, shape):
+    x = xs[0]
+    rows = torch.arange(len(attrs), device=x.device)
+    return x.expand(len(attrs), *x.shape[1:])[rows, _indices(attrs, x)]
+
+
+def _pnls_kernel(xs, attrs, shape):
+    x = xs[0].expand(len(attrs), *xs[0].shape[1:])
+    return -torch.log_softmax(x, -1).gather(1, _indices(attrs, x).unsqueeze(1)).squeeze(1)
+
+
+PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True)
+PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True)
+
+
+def _checked_index(name: str, shape: Shape, i: int) -> int:
+    if len(shape) == 0:
+        raise ShapeError(f"{name}: cannot index a scalar")
+    i = int(i)
+    if not -shape[0] <= i < shape[0]:
+        raise IndexError(f"{name}: index {i} out of range for shape {shape}")
+    return i % shape[0]
+
+
+def pick(x: Operand, i: int) -> Expression:
+    """Element (or row) `i` of `x`: `x[i]` along the first per-instance dim."""
+    g = graph_of(x)
+    n = node(g, x)
+    shape = g.shapes[n]
+    i = _checked_index("pick", shape, i)
+    return g.add(PICK, (n,), shape[1:], ("pick", shape), i)
+
+
+def pick_neg_log_softmax(x: Operand, label: int) -> Expression:
+    """`-log(softmax(x)[label])`, the cross-entropy loss of one instance (one fused kernel)."""
+    g = graph_of(x)
+    n = node(g, x)
+    shape = g.shapes[n]
+    if len(shape) != 1:
+        raise ShapeError(f"pick_neg_log_softmax: needs a vector, got shape {shape}")
+    label = _checked_index("pick_neg_log_softmax", shape, label)
+    return g.add(PICK_NLS, (n,), (), ("pick_neg_log_softmax", shape), label)
+
+
+# ---- shape ops ---------------------------------------------------------------------------------
+SLICE = Op("slice", lambda xs, bounds, shape: xs[0][:, bounds[0]:bounds[1]], cheap=True)
+
+
+def slice_rows(x: Operand, start: int, stop: int) -> Expression:
+    """`x[start:stop]` along the first per-instance dim (a view, no copy)."""
+    g = graph_of(x)
+    n = node(g, x)
+    shape = g.shapes[n]
+    if len(shape) == 0:
+        raise ShapeError("slice: cannot slice a scalar")
+    begin, end, step = builtin_slice(start, stop).indices(shape[0])
+    if end <= begin:
+        raise IndexError(f"slice: [{start}:{stop}] is empty for shape {shape}")
+    return g.add(SLICE, (n,), (end - begin,) + shape[1:], ("slice", shape, begin, end),
+                 (begin, end))
+
+
+builtin_slice = slice
+
+
+def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
+    g = graph_of(x)
+    n = node(g, x)
+    old, new = g.shapes[n], _as_shape(shape)
+    if math.prod(old) != math.prod(new):
+        raise ShapeError(f"reshape: cannot reshape {old} into {new}")
+    return g.add(RESHAPE, (n,), new, ("reshape", old, new))
+
+
+RESHAPE = Op("reshape", lambda xs, attr, shape: xs[0].reshape(xs[0].shape[0], *shape), cheap=True)
+TRANSPOSE = Op("transpose", lambda xs, attr, shape: xs[0].transpose(1, 2), cheap=True)
+
+
+def transpose(x: Operand) -> Expression:
+    """The transpose of a matrix."""
+    g = graph_of(x)
+    n = node(g, x)
+    shape = g.shapes[n]
+    if len(shape) != 2:
+        raise ShapeError(f"transpose: needs a matrix, got shape {shape}")
+    return g.add(TRANSPOSE, (n,), (shape[1], shape[0]), ("transpose", shape))
+
+
+DROPOUT = Op("dropout", lambda xs, p, shape: F.dropout(xs[0], p, training=True))
+
+
+def dropout(x: Operand, p: float) -> Expression:
+    """Zero each element with probability `p` and scale the rest by 1/(1-p) (training only)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1), got {p}")
+    g = graph_of(x)
+    n = node(g, x)
+    shape = g.shapes[n]
+    return g.add(DROPOUT, (n,), shape, ("dropout", shape, p), p)
+
+
+# ---- operators on expressions -------------------------------------------------------------------
+def _getitem(x: Expression, index: Any) -> Expression:
+    if isinstance(index, builtin_slice):
+        if index.step not in (None, 1):
+            raise IndexError("slicing with a step is not supported")
+        n = x.shape[0] if x.shape else 0
+        return slice_rows(x, 0 if index.start is None else index.start,
+                          n if index.stop is None else index.stop)
+    if isinstance(index, (numbers.Integral, np.integer)):
+        return pick(x, int(index))
+    raise IndexError(f"unsupported index {index!r}: use an int or a slice")
+
+
+def _reflected(fn: Callable[[Operand, Operand], Expression]):
+    return lambda self, other: fn(other, self)
+
+
+Expression.__add__ = add
+Expression.__radd__ = _reflected(add)
+Expression.__sub__ = sub
+Expression.__rsub__ = _reflected(sub)
+Expression.__mul__ = mul
+Expression.__rmul__ = _reflected(mul)
+Expression.__truediv__ = div
+Expression.__rtruediv__ = _reflected(div)
+Expression.__matmul__ = matmul
+Expression.__rmatmul__ = _reflected(matmul)
+Expression.__neg__ = neg
+Expression.__getitem__ = _getitem
+Expression.__iter__ = None  # iterating would loop forever through __getitem__: forbid it
