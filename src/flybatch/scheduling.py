@@ -125,6 +125,17 @@ def _depth(sigs: np.ndarray, depths: np.ndarray, placer: _Placer) -> None:
 
 def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray,
             lens: np.ndarray, placer: _Placer) -> None:
+    """DyNet's agenda, completed by per-signature ranks so it reaches the lower bound.
+
+    rank(v) = the most nodes of v's signature on any path ending at v. Nodes of equal signature
+    and rank never depend on each other, and a signature needs at least max-rank launches, so
+    the ideal schedule runs each (signature, rank) group as ONE batch. The agenda therefore runs
+    a group as soon as ALL its nodes are ready; among complete groups, DyNet's priority decides
+    (lowest average depth of the signature, cheap ops first). Only when no group is complete
+    (groups that wait on each other) does it fall back to DyNet's rule: run the ready nodes of
+    the best-priority group now. Losses after sequences of different lengths, for instance,
+    are all rank 1 of their signature, so they wait until the longest sequence is done.
+    """
     n = len(sigs)
     start = plan.start
     # Edges between pending nodes, and each node's consumers as a CSR array.
@@ -136,35 +147,44 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
     cons_ptr = np.zeros(n + 1, np.int64)
     np.cumsum(np.bincount(src, minlength=n), out=cons_ptr[1:])
 
-    # Priority of a signature: the average depth of its pending nodes; cheap ops first on ties.
     uniq, sig_of = np.unique(sigs, return_inverse=True)
+    rank = _signature_ranks(sig_of, len(uniq), depths, src, dst)
+
+    # DyNet's priority of a signature: lowest average depth first, cheap ops first on ties.
     first_of = np.zeros(len(uniq), np.int64)
     first_of[sig_of[::-1]] = np.arange(n)[::-1]
     avg_depth = np.bincount(sig_of, weights=depths) / np.bincount(sig_of)
     costly = np.array([not graph.ops[start + int(f)].cheap for f in first_of])
-    priority = np.empty(len(uniq), np.int64)
-    priority[np.lexsort((uniq, costly, avg_depth))] = np.arange(len(uniq))
+    sig_priority = np.empty(len(uniq), np.int64)
+    sig_priority[np.lexsort((uniq, costly, avg_depth))] = np.arange(len(uniq))
 
+    # One group per (signature, rank); a group's priority: its signature's, then its rank.
+    group_key = sig_priority[sig_of] * (int(rank.max()) + 1) + rank
+    group_priority, group_of, remaining = np.unique(group_key, return_inverse=True,
+                                                     return_counts=True)
+    ready_count = np.zeros(len(group_priority), np.int64)
     ready: dict[int, list[np.ndarray]] = {}
-    heap: list[int] = []
+    complete: list[int] = []  # heap of complete group ids (ids are in priority order)
 
     def make_ready(nodes: np.ndarray) -> None:
-        groups = sig_of[nodes]
+        groups = group_of[nodes]
         order = np.argsort(groups, kind="stable")
         nodes, groups = nodes[order], groups[order]
         cuts = np.flatnonzero(groups[1:] != groups[:-1]) + 1
-        for part, g in zip(np.split(nodes, cuts), groups[np.r_[0, cuts]]):
-            bucket = ready.setdefault(int(g), [])
-            if not bucket:
-                heapq.heappush(heap, int(priority[g]))
-            bucket.append(part)
+        for part, g in zip(np.split(nodes, cuts), groups[np.r_[0, cuts]].tolist()):
+            ready.setdefault(g, []).append(part)
+            ready_count[g] += len(part)
+            if ready_count[g] == remaining[g]:
+                heapq.heappush(complete, g)
 
-    sig_at_priority = np.argsort(priority)
     make_ready(np.flatnonzero(waiting == 0))
-    while heap:
-        g = int(sig_at_priority[heapq.heappop(heap)])
+    while ready:
+        # Complete groups first; otherwise (groups waiting on each other) the best ready one.
+        g = heapq.heappop(complete) if complete else min(ready)
         parts = ready.pop(g)
         batch = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+        remaining[g] -= len(batch)
+        ready_count[g] = 0
         placer.place(batch)
         begin, stop = cons_ptr[batch], cons_ptr[batch + 1]
         counts = stop - begin
@@ -178,3 +198,33 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
         now_ready = nodes[waiting[nodes] == 0]
         if len(now_ready):
             make_ready(now_ready)
+
+
+def _signature_ranks(sig_of: np.ndarray, n_sigs: int, depths: np.ndarray, src: np.ndarray,
+                     dst: np.ndarray) -> np.ndarray:
+    """For each node, the most nodes of its own signature on any path ending at it.
+
+    Dynamic programming over depth levels (edges always go to a deeper node), vectorised over
+    nodes and signatures: count[v, s] = [sig(v) = s] + max over inputs u of count[u, s].
+    """
+    n = len(sig_of)
+    count = np.zeros((n, n_sigs), np.int32)
+    by_level = np.lexsort((dst, depths[dst]))
+    src, dst = src[by_level], dst[by_level]
+    edge_level = depths[dst]
+    node_order = np.argsort(depths, kind="stable")
+    node_level = depths[node_order]
+    levels = np.unique(node_level)
+    edge_cuts = np.searchsorted(edge_level, levels)
+    node_cuts = np.searchsorted(node_level, levels)
+    edge_ends = np.r_[edge_cuts[1:], len(dst)]
+    node_ends = np.r_[node_cuts[1:], n]
+    for e0, e1, n0, n1 in zip(edge_cuts.tolist(), edge_ends.tolist(), node_cuts.tolist(),
+                              node_ends.tolist()):
+        if e1 > e0:
+            d = dst[e0:e1]
+            heads = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+            count[d[heads]] = np.maximum.reduceat(count[src[e0:e1]], heads, axis=0)
+        at = node_order[n0:n1]
+        count[at, sig_of[at]] += 1
+    return count[np.arange(n), sig_of]

@@ -30,6 +30,8 @@ def describe(sig: int) -> str:
     name, *rest = _keys[sig]
     parts = []
     for item in rest:
+        if isinstance(item, str) and item.startswith("T"):
+            item = "table"  # a lookup table's id() says nothing to a reader
         if isinstance(item, tuple) and all(isinstance(d, int) for d in item):
             parts.append(str(item))
         elif isinstance(item, tuple):
