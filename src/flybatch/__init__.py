@@ -14,7 +14,9 @@ from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, drop
                   slice_rows, softmax, sqrt, square, squared_distance, squared_norm, sub,
                   sum_elems, tanh, transpose, zeros)
 from .stats import Stats
+from .concurrent import MapBatchedError, map_batched
 from . import nn  # noqa: E402  (needs the ops above)
+from . import distributed  # noqa: E402  (fb.distributed: data-parallel training)
 
 __all__ = [
     "Expression", "Graph", "GraphError", "ShapeError", "Stats", "abs", "add", "affine", "average",
@@ -23,4 +25,5 @@ __all__ = [
     "new_graph", "nn", "ones", "parameter", "pick", "pick_neg_log_softmax", "rectify", "relu",
     "reshape", "sigmoid", "slice_rows", "softmax", "sqrt", "square", "squared_distance",
     "squared_norm", "sub", "sum_elems", "tanh", "transpose", "zeros",
+    "MapBatchedError", "map_batched",
 ]

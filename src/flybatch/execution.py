@@ -38,7 +38,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
         cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
         if op.stack_from is not None and arity >= op.stack_from:
             arg_shape = shapes[int(cols[0, 0])]
-            xs = [gather(cols.reshape(-1)).reshape(size, arity, *arg_shape)]
+            flat = gather(cols.reshape(-1))  # [1, ...] when every id is the same node
+            xs = [flat.expand(size * arity, *arg_shape).reshape(size, arity, *arg_shape)]
         else:
             xs = [gather(cols[:, j]) for j in range(arity)]
         attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]

@@ -20,6 +20,7 @@ from . import signatures
 from .errors import GraphError
 
 Shape = tuple[int, ...]
+_signature_ids = signatures._ids  # read directly on the hot path; `intern` adds new keys
 STRATEGIES = ("none", "depth", "agenda")
 
 
@@ -91,26 +92,31 @@ class Expression:
         return self.graph.value_of(self.id)
 
     def item(self) -> float:
-        return self.value().item()
+        return self.value().detach().item()
 
     def numpy(self) -> np.ndarray:
         return self.value().detach().cpu().numpy()
 
     def argmax(self) -> int:
-        return int(self.value().argmax())
+        return int(self.value().detach().argmax())
 
-    def backward(self, retain_graph: bool = False) -> None:
-        """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does."""
+    def backward(self, retain_graph: bool = True) -> None:
+        """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does.
+
+        Instances batched together share their kernels' autograd nodes, so a backward per
+        instance must not free them: the graph keeps them until it closes (`retain_graph=False`
+        frees them at once, when this is the graph's last backward).
+        """
         self.graph.backward(self, retain_graph=retain_graph)
 
     def __float__(self) -> float:
-        return float(self.value())
+        return float(self.value().detach())
 
     def __int__(self) -> int:
-        return int(self.value())
+        return int(self.value().detach())
 
     def __bool__(self) -> bool:
-        return bool(self.value())
+        return bool(self.value().detach())
 
     # Comparisons ask for the value (so control flow can depend on it). `==` and `!=` keep
     # identity semantics so that expressions stay usable as dict keys and in `in` tests.
@@ -167,6 +173,7 @@ class Graph:
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
         self.gathers_avoided = 0
+        self.forwards = 0  # forwards that executed pending nodes (map_batched counts rounds by it)
         self.seconds = {"build": 0.0, "schedule": 0.0, "forward": 0.0, "backward": 0.0}
         self.closed = False
         # Set by `map_batched`: called before a value request forces a forward, so that the
@@ -178,16 +185,25 @@ class Graph:
     # ---- node creation -------------------------------------------------------------------
     def add(self, op: Op, args: tuple[int, ...], shape: Shape, sig_key: tuple,
             attr: Any = None) -> Expression:
-        """Append a node; the hot path of graph building, so plain Python only."""
+        """Append a node; the hot path of graph building, so plain Python, no extra calls."""
         if self.closed:
             raise GraphError("this graph is closed; create a new one (fb.Graph() / fb.new_graph())")
-        node = len(self.ops)
+        sig = _signature_ids.get(sig_key)
+        if sig is None:
+            sig = signatures.intern(sig_key)
+        depths = self.depths
+        if len(args) == 1:
+            depth = depths[args[0]] + 1
+        elif len(args) == 2:
+            depth = max(depths[args[0]], depths[args[1]]) + 1
+        else:
+            depth = 1 + max([depths[a] for a in args]) if args else 0
+        node = len(depths)
+        depths.append(depth)
         self.ops.append(op)
         self.args.append(args)
         self.shapes.append(shape)
-        self.sigs.append(signatures.intern(sig_key))
-        depths = self.depths
-        self.depths.append(1 + max([depths[a] for a in args]) if args else 0)
+        self.sigs.append(sig)
         self.attrs.append(attr)
         return Expression(self, node)
 
@@ -267,6 +283,7 @@ class Graph:
                 self.node_batch[start:end] = -1
                 raise
             self.n_done = end
+            self.forwards += 1
             self._idle_since = time.perf_counter()
         if exprs is None:
             return None
@@ -281,7 +298,7 @@ class Graph:
                 self.forward()
         return self.values[self.node_batch[node]][self.node_row[node]]
 
-    def backward(self, expr: Expression, retain_graph: bool = False) -> None:
+    def backward(self, expr: Expression, retain_graph: bool = True) -> None:
         value = self.value_of(self.node_of(expr))
         if value.dim() != 0:
             raise ValueError(f"backward() needs a scalar expression, got shape {expr.shape}")

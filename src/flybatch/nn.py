@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .errors import ShapeError
 from .graph import Expression, Op
 from .ops import Operand
 
@@ -30,10 +31,17 @@ def _uniform(module: nn.Module, hidden_size: int) -> None:
 
 
 def _fused(op: Op, name: str, args: Sequence[Operand], shape: tuple[int, ...],
-           attr: object = None) -> Expression:
-    """One node of a fused op; its signature shares every parameter and every input shape."""
+           attr: object = None, expect: Sequence[tuple[int, ...] | None] = ()) -> Expression:
+    """One node of a fused op; its signature shares every parameter and every input shape.
+
+    `expect` holds the shapes the leading args must have (None: unchecked), so that a wrong
+    size raises ShapeError here rather than inside the batched kernel.
+    """
     g = ops.graph_of(*args)
     nodes = tuple(ops.node(g, a) for a in args)
+    for k, (n, want) in enumerate(zip(nodes, expect)):
+        if want is not None and g.shapes[n] != want:
+            raise ShapeError(f"{name}: argument {k} has shape {g.shapes[n]}, expected {want}")
     key = (name, tuple(ops._param_tag(g, n) or g.shapes[n] for n in nodes), attr)
     return g.add(op, nodes, shape, key, attr)
 
@@ -119,8 +127,9 @@ class LSTMCell(nn.Module):
             zero = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
             state = (zero, zero)
         h, c = state
-        out = _fused(LSTM_CELL, "lstm_cell",
-                     (x, h, c, self.weight_ih, self.weight_hh, self.bias), (2 * self.hidden_size,))
+        H = self.hidden_size
+        out = _fused(LSTM_CELL, "lstm_cell", (x, h, c, self.weight_ih, self.weight_hh, self.bias),
+                     (2 * H,), expect=((self.input_size,), (H,), (H,)))
         return _split_state(out, self.hidden_size)
 
     __call__ = forward
@@ -199,7 +208,8 @@ class GRUCell(nn.Module):
         if h is None:
             h = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
         return _fused(GRU_CELL, "gru_cell", (x, h, self.weight_ih, self.weight_hh, self.bias_ih,
-                                            self.bias_hh), (self.hidden_size,))
+                                            self.bias_hh), (self.hidden_size,),
+                      expect=((self.weight_ih.shape[1],), (self.hidden_size,)))
 
     __call__ = forward
 
@@ -282,25 +292,28 @@ class TreeLSTMCell(nn.Module):
         if self.child_sum:
             return self.forward([], x)
         out = _fused(TREE_LEAF, "tree_lstm_leaf", (x, self.W_iou, self.b_iou),
-                     (2 * self.hidden_size,))
+                     (2 * self.hidden_size,), expect=((self.W_iou.shape[1],),))
         return _split_state(out, self.hidden_size)
 
     def forward(self, children: Sequence[State], x: Operand | None = None) -> State:
         hs = [h for h, _ in children]
         cs = [c for _, c in children]
         shape = (2 * self.hidden_size,)
+        states, x_shape = ((self.hidden_size,),) * (2 * len(children)), (self.W_iou.shape[1],)
         if self.child_sum:
             if x is None:
                 raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
             args = (*hs, *cs, x, self.W_iou, self.U_iou, self.W_f, self.U_f, self.b_iou, self.b_f)
-            out = _fused(TREE_CHILD_SUM, "tree_lstm_child_sum", args, shape, len(children))
+            out = _fused(TREE_CHILD_SUM, "tree_lstm_child_sum", args, shape, len(children),
+                         expect=states + (x_shape,))
         else:
             if len(children) != self.arity:
                 raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
             args = (*hs, *cs, self.U_iou, self.U_f, self.b_iou, self.b_f)
             if x is not None:
                 args += (x, self.W_iou)
-            out = _fused(TREE_NARY, "tree_lstm_nary", args, shape, (self.arity, x is not None))
+            out = _fused(TREE_NARY, "tree_lstm_nary", args, shape, (self.arity, x is not None),
+                         expect=states + (None,) * 4 + (x_shape,))
         return _split_state(out, self.hidden_size)
 
     __call__ = forward

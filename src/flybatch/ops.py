@@ -52,6 +52,25 @@ def node(g: Graph, x: Operand) -> int:
     raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
 
 
+def unary_operand(x: Operand) -> tuple[Graph, int]:
+    """(graph, node) of a single operand; the common case (an Expression) without calls."""
+    if type(x) is Expression:
+        return x.graph, x.id
+    g = graph_of(x)
+    return g, node(g, x)
+
+
+def binary_operands(a: Operand, b: Operand) -> tuple[Graph, int, int]:
+    """(graph, node of a, node of b), wrapping tensors and numbers in the graph of the other."""
+    if type(a) is Expression:
+        g = a.graph
+        if type(b) is Expression and b.graph is g:
+            return g, a.id, b.id
+        return g, a.id, node(g, b)
+    g = graph_of(a, b)
+    return g, node(g, a), node(g, b)
+
+
 def _param_tag(g: Graph, n: int) -> str | None:
     """`P<node>` when node `n` is a parameter: ops that share it batch as one product."""
     return f"P{n}" if g.ops[n] is PARAMETER else None
@@ -123,8 +142,7 @@ def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], cheap: bool = 
     op = Op(name, lambda xs, attr, shape: fn(xs[0]), cheap=cheap)
 
     def apply(x: Operand) -> Expression:
-        g = graph_of(x)
-        n = node(g, x)
+        g, n = unary_operand(x)
         shape = g.shapes[n]
         return g.add(op, (n,), shape, (name, shape))
 
@@ -167,8 +185,7 @@ def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor])
             cheap=True)
 
     def apply(a: Operand, b: Operand) -> Expression:
-        g = graph_of(a, b)
-        na, nb = node(g, a), node(g, b)
+        g, na, nb = binary_operands(a, b)
         sa, sb = g.shapes[na], g.shapes[nb]
         shape = sa if sa == sb else broadcast_shapes(name, sa, sb)
         return g.add(op, (na, nb), shape, (name, sa, sb))
@@ -201,8 +218,7 @@ MATMUL = Op("matmul", _matmul_kernel)
 
 def matmul(a: Operand, b: Operand) -> Expression:
     """`a @ b` for vectors and matrices (per instance), as `torch.matmul`."""
-    g = graph_of(a, b)
-    na, nb = node(g, a), node(g, b)
+    g, na, nb = binary_operands(a, b)
     sa, sb = g.shapes[na], g.shapes[nb]
     if not (1 <= len(sa) <= 2 and 1 <= len(sb) <= 2) or sa[-1] != sb[0]:
         raise ShapeError(f"matmul: cannot multiply shapes {sa} and {sb}")
@@ -312,8 +328,7 @@ def _reduction(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
     op = Op(name, lambda xs, attr, shape: fn(xs[0].reshape(xs[0].shape[0], -1)))
 
     def apply(x: Operand) -> Expression:
-        g = graph_of(x)
-        n = node(g, x)
+        g, n = unary_operand(x)
         return g.add(op, (n,), (), (name, g.shapes[n]))
 
     apply.__name__ = name
@@ -341,8 +356,7 @@ def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
     op = Op(name, lambda xs, attr, shape: fn(xs[0]))
 
     def apply(x: Operand) -> Expression:
-        g = graph_of(x)
-        n = node(g, x)
+        g, n = unary_operand(x)
         shape = g.shapes[n]
         if len(shape) != 1:
             raise ShapeError(f"{name}: needs a vector, got shape {shape}")
@@ -386,8 +400,7 @@ def _checked_index(name: str, shape: Shape, i: int) -> int:
 
 def pick(x: Operand, i: int) -> Expression:
     """Element (or row) `i` of `x`: `x[i]` along the first per-instance dim."""
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     shape = g.shapes[n]
     i = _checked_index("pick", shape, i)
     return g.add(PICK, (n,), shape[1:], ("pick", shape), i)
@@ -395,8 +408,7 @@ def pick(x: Operand, i: int) -> Expression:
 
 def pick_neg_log_softmax(x: Operand, label: int) -> Expression:
     """`-log(softmax(x)[label])`, the cross-entropy loss of one instance (one fused kernel)."""
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     shape = g.shapes[n]
     if len(shape) != 1:
         raise ShapeError(f"pick_neg_log_softmax: needs a vector, got shape {shape}")
@@ -410,8 +422,7 @@ SLICE = Op("slice", lambda xs, bounds, shape: xs[0][:, bounds[0]:bounds[1]], che
 
 def slice_rows(x: Operand, start: int, stop: int) -> Expression:
     """`x[start:stop]` along the first per-instance dim (a view, no copy)."""
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     shape = g.shapes[n]
     if len(shape) == 0:
         raise ShapeError("slice: cannot slice a scalar")
@@ -426,8 +437,7 @@ builtin_slice = slice
 
 
 def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     old, new = g.shapes[n], _as_shape(shape)
     if math.prod(old) != math.prod(new):
         raise ShapeError(f"reshape: cannot reshape {old} into {new}")
@@ -440,8 +450,7 @@ TRANSPOSE = Op("transpose", lambda xs, attr, shape: xs[0].transpose(1, 2), cheap
 
 def transpose(x: Operand) -> Expression:
     """The transpose of a matrix."""
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     shape = g.shapes[n]
     if len(shape) != 2:
         raise ShapeError(f"transpose: needs a matrix, got shape {shape}")
@@ -455,8 +464,7 @@ def dropout(x: Operand, p: float) -> Expression:
     """Zero each element with probability `p` and scale the rest by 1/(1-p) (training only)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
-    g = graph_of(x)
-    n = node(g, x)
+    g, n = unary_operand(x)
     shape = g.shapes[n]
     return g.add(DROPOUT, (n,), shape, ("dropout", shape, p), p)
 
@@ -491,3 +499,28 @@ Expression.__rmatmul__ = _reflected(matmul)
 Expression.__neg__ = neg
 Expression.__getitem__ = _getitem
 Expression.__iter__ = None  # iterating would loop forever through __getitem__: forbid it
+
+
+# A torch.Tensor on the left of an operator (`W @ h`, `b + h`) would make torch try, fail and
+# return NotImplemented through a raised exception (~20 us). Declaring `__torch_function__`
+# sends those calls straight here instead.
+_TORCH_OPERATORS = {
+    torch.Tensor.__add__: add, torch.Tensor.__radd__: _reflected(add),
+    torch.Tensor.__sub__: sub, torch.Tensor.__rsub__: _reflected(sub),
+    torch.Tensor.__mul__: mul, torch.Tensor.__rmul__: _reflected(mul),
+    torch.Tensor.__truediv__: div, torch.Tensor.__rtruediv__: _reflected(div),
+    torch.Tensor.__matmul__: matmul, torch.Tensor.__rmatmul__: _reflected(matmul),
+    torch.matmul: matmul, torch.add: add, torch.sub: sub, torch.mul: mul, torch.div: div,
+}
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    impl = _TORCH_OPERATORS.get(func)
+    if impl is None or kwargs:
+        name = getattr(func, "__name__", repr(func))
+        raise TypeError(f"torch.{name} cannot take a flybatch Expression; use the fb.* op "
+                        "(or .value() to get a tensor)")
+    return impl(*args)
+
+
+Expression.__torch_function__ = classmethod(_torch_function)

@@ -1,0 +1,97 @@
+"""`python -m flybatch.bench overhead`: what flybatch itself costs per node, at three graph sizes.
+
+The graph is a minibatch of RNN-like sequences of random lengths (a lookup, an affine
+transform, an add and a tanh per step; a loss per sequence), the shape of the paper's workloads.
+Building is timed from the first op call to the last (Python only: no torch work happens then),
+scheduling is `scheduling.schedule` on the whole graph. Costs per node should be flat across
+sizes (linear total cost); the floors are 1 us per node for building and 0.5 us for scheduling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+
+import torch
+
+import flybatch as fb
+from flybatch import scheduling
+
+HIDDEN = 16
+OPS_PER_STEP = 4  # lookup, affine, add, tanh
+
+
+def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
+    """A graph of about `n_nodes` nodes; returns it and the seconds spent building it."""
+    torch.manual_seed(seed)
+    W = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+    U = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+    b = torch.nn.Parameter(torch.zeros(HIDDEN))
+    E = torch.nn.Parameter(torch.randn(1000, HIDDEN))
+    O = torch.nn.Parameter(torch.randn(5, HIDDEN))
+    rng = random.Random(seed)
+    lengths = []
+    total = 0
+    while total < n_nodes:
+        length = rng.randint(5, 60)
+        lengths.append(length)
+        total += OPS_PER_STEP * length + 2
+    words = [[rng.randrange(1000) for _ in range(n)] for n in lengths]
+    labels = [rng.randrange(5) for _ in lengths]
+    graph = fb.Graph(strategy=strategy)
+    start = time.perf_counter()
+    losses = []
+    for sentence, label in zip(words, labels):
+        h = fb.zeros(HIDDEN, graph=graph)
+        for w in sentence:
+            h = fb.tanh(fb.affine(W, h, b) + fb.matmul(U, fb.lookup(E, w, graph=graph)))
+        losses.append(fb.pick_neg_log_softmax(fb.matmul(O, h), label))
+    seconds = time.perf_counter() - start
+    return graph, seconds
+
+
+def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
+    build_us, schedule_us, batches = [], [], 0
+    for r in range(repeats):
+        gc.collect()
+        graph, seconds = build(n_nodes, strategy, seed=r)
+        n = graph.n_nodes
+        graph._grow_positions(n)
+        start = time.perf_counter()
+        plan = scheduling.schedule(graph, 0, n)
+        schedule_us.append((time.perf_counter() - start) / n * 1e6)
+        build_us.append(seconds / n * 1e6)
+        batches = len(plan)
+        graph.close()
+    return {"nodes": n, "strategy": strategy, "build_us_per_node": statistics.median(build_us),
+            "schedule_us_per_node": statistics.median(schedule_us), "batches": batches}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flybatch.bench overhead",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--strategies", nargs="+", default=["agenda", "depth"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = [measure(size, s, args.repeats if size < 1_000_000 else 1)
+            for size in args.sizes for s in args.strategies]
+    print("| nodes | strategy | build us/node | schedule us/node | batches |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['nodes']} | {row['strategy']} | {row['build_us_per_node']:.2f} | "
+              f"{row['schedule_us_per_node']:.2f} | {row['batches']} |")
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"task": "overhead", **row}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
