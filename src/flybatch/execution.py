@@ -50,6 +50,17 @@ def run(graph: "Graph", plan: Schedule) -> None:
         graph.launches.append((graph.sigs[first], size))
 
 
+def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows start..start+length of a batch result, as a view.
+
+    The whole tensor is returned as it is: a `narrow` would add a backward step that fills a
+    zero tensor the size of the source, the largest cost of a batched backward.
+    """
+    if start == 0 and length == source.shape[0]:
+        return source
+    return source.narrow(0, start, length)
+
+
 class _Gatherer:
     """Builds the `[B, ...]` input tensor of one argument position, copying as little as it can."""
 
@@ -65,12 +76,12 @@ class _Gatherer:
         size = len(ids)
         if size == 1 or (ids == ids[0]).all():
             graph.gathers_avoided += 1
-            return values[first_src].narrow(0, first_row, 1)
+            return _rows(values[first_src], first_row, 1)
         if (src == first_src).all():
             source = values[first_src]
             if rows[-1] - first_row == size - 1 and (np.diff(rows) == 1).all():
                 graph.gathers_avoided += 1
-                return source.narrow(0, first_row, size)
+                return _rows(source, first_row, size)
             graph.gathers += 1
             return source.index_select(0, self._index(rows, source))
         # Several source batches: one index_select each, one cat, then restore the row order.

@@ -30,20 +30,36 @@ def _uniform(module: nn.Module, hidden_size: int) -> None:
         nn.init.uniform_(p, -bound, bound)
 
 
-def _fused(op: Op, name: str, args: Sequence[Operand], shape: tuple[int, ...],
-           attr: object = None, expect: Sequence[tuple[int, ...] | None] = ()) -> Expression:
-    """One node of a fused op; its signature shares every parameter and every input shape.
+class FusedModule(nn.Module):
+    """A module whose calls create fused nodes.
 
-    `expect` holds the shapes the leading args must have (None: unchecked), so that a wrong
-    size raises ShapeError here rather than inside the batched kernel.
+    Its parameters' nodes are looked up once per graph (not once per call), and its signature
+    names the module itself, which is the same in every graph: nodes of one module with equal
+    input shapes share its parameters and batch together.
     """
-    g = ops.graph_of(*args)
-    nodes = tuple(ops.node(g, a) for a in args)
-    for k, (n, want) in enumerate(zip(nodes, expect)):
-        if want is not None and g.shapes[n] != want:
-            raise ShapeError(f"{name}: argument {k} has shape {g.shapes[n]}, expected {want}")
-    key = (name, tuple(ops._param_tag(g, n) or g.shapes[n] for n in nodes), attr)
-    return g.add(op, nodes, shape, key, attr)
+
+    def _parameter_nodes(self, g) -> dict[str, int]:
+        cache = self.__dict__.get("_fb_nodes")
+        if cache is None or cache[0] is not g:
+            nodes = {name: g.parameter_node(p) for name, p in self._parameters.items()
+                     if p is not None}
+            cache = (g, nodes)
+            object.__setattr__(self, "_fb_nodes", cache)  # plain attribute: no Module hooks
+        return cache[1]
+
+    def _fused(self, op: Op, inputs: Sequence[Operand], expect: tuple, params: Sequence[str],
+               shape: tuple[int, ...], attr: object = None) -> Expression:
+        """One node of `op` over `inputs` (whose shapes must be `expect`) and `params`."""
+        g = ops.graph_of(*inputs)
+        nodes = [x.id if type(x) is Expression and x.graph is g else ops.node(g, x)
+                 for x in inputs]
+        shapes = tuple([g.shapes[n] for n in nodes])
+        if shapes != expect:
+            k = next(k for k, (s, e) in enumerate(zip(shapes, expect)) if s != e)
+            raise ShapeError(f"{op.name}: argument {k} has shape {shapes[k]}, expected {expect[k]}")
+        table = self._parameter_nodes(g)
+        args = tuple(nodes) + tuple([table[name] for name in params])
+        return g.add(op, args, shape, (op.name, id(self), shapes, attr), attr)
 
 
 def _split_state(out: Expression, hidden: int) -> State:
@@ -102,7 +118,7 @@ class MLP(nn.Module):
 # ---- LSTM ----------------------------------------------------------------------------------------
 def _lstm_kernel(xs, attr, shape):
     x, h, c, w_ih, w_hh, b = xs
-    gates = torch.addmm(b[0], x, w_ih[0].T) + h @ w_hh[0].T
+    gates = torch.addmm(b.squeeze(0), x, w_ih.squeeze(0).T) + h @ w_hh.squeeze(0).T
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.cat([torch.sigmoid(o) * torch.tanh(c), c], 1)
@@ -111,7 +127,7 @@ def _lstm_kernel(xs, attr, shape):
 LSTM_CELL = Op("lstm_cell", _lstm_kernel)
 
 
-class LSTMCell(nn.Module):
+class LSTMCell(FusedModule):
     """A standard LSTM cell (PyTorch's gate order i, f, g, o; one bias)."""
 
     def __init__(self, input_size: int, hidden_size: int):
@@ -126,11 +142,10 @@ class LSTMCell(nn.Module):
         if state is None:
             zero = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
             state = (zero, zero)
-        h, c = state
         H = self.hidden_size
-        out = _fused(LSTM_CELL, "lstm_cell", (x, h, c, self.weight_ih, self.weight_hh, self.bias),
-                     (2 * H,), expect=((self.input_size,), (H,), (H,)))
-        return _split_state(out, self.hidden_size)
+        out = self._fused(LSTM_CELL, (x, *state), ((self.input_size,), (H,), (H,)),
+                          ("weight_ih", "weight_hh", "bias"), (2 * H,))
+        return _split_state(out, H)
 
     __call__ = forward
 
@@ -180,8 +195,8 @@ class LSTM(nn.Module):
 # ---- GRU -----------------------------------------------------------------------------------------
 def _gru_kernel(xs, attr, shape):
     x, h, w_ih, w_hh, b_ih, b_hh = xs
-    gx = torch.addmm(b_ih[0], x, w_ih[0].T)
-    gh = h @ w_hh[0].T + b_hh[0]
+    gx = torch.addmm(b_ih.squeeze(0), x, w_ih.squeeze(0).T)
+    gh = h @ w_hh.squeeze(0).T + b_hh.squeeze(0)
     rx, zx, nx = gx.chunk(3, 1)
     rh, zh, nh = gh.chunk(3, 1)
     r, z = torch.sigmoid(rx + rh), torch.sigmoid(zx + zh)
@@ -192,7 +207,7 @@ def _gru_kernel(xs, attr, shape):
 GRU_CELL = Op("gru_cell", _gru_kernel)
 
 
-class GRUCell(nn.Module):
+class GRUCell(FusedModule):
     """A GRU cell with PyTorch's equations and parameter layout (gates r, z, n)."""
 
     def __init__(self, input_size: int, hidden_size: int):
@@ -207,9 +222,9 @@ class GRUCell(nn.Module):
     def forward(self, x: Operand, h: Expression | None = None) -> Expression:
         if h is None:
             h = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
-        return _fused(GRU_CELL, "gru_cell", (x, h, self.weight_ih, self.weight_hh, self.bias_ih,
-                                            self.bias_hh), (self.hidden_size,),
-                      expect=((self.weight_ih.shape[1],), (self.hidden_size,)))
+        H = self.hidden_size
+        return self._fused(GRU_CELL, (x, h), ((self.weight_ih.shape[1],), (H,)),
+                           ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), (H,))
 
     __call__ = forward
 
@@ -226,19 +241,21 @@ def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
 
 def _tree_leaf_kernel(xs, attr, shape):
     x, w, b = xs
-    return _finish(torch.addmm(b[0], x, w[0].T), None)
+    return _finish(torch.addmm(b.squeeze(0), x, w.squeeze(0).T), None)
 
 
 def _nary_kernel(xs, attr, shape):
     n, has_x = attr
     hs, cs = xs[:n], xs[n:2 * n]
-    u_iou, u_f, b_iou, b_f = xs[2 * n:2 * n + 4]
+    x = xs[2 * n] if has_x else None
+    u_iou, u_f, b_iou, b_f = xs[2 * n + has_x:2 * n + has_x + 4]
     size = max(t.shape[0] for t in xs[:2 * n])
-    iou = torch.addmm(b_iou[0], torch.cat([h.expand(size, -1) for h in hs], 1), u_iou[0].T)
+    children = torch.cat([h.expand(size, -1) for h in hs], 1)
+    iou = torch.addmm(b_iou.squeeze(0), children, u_iou.squeeze(0).T)
     if has_x:
-        x, w = xs[2 * n + 4:]
-        iou = iou + x @ w[0].T
-    c = sum(torch.sigmoid(torch.addmm(b_f[0], h, u_f[0, k].T)) * ck
+        iou = iou + x @ xs[-1].squeeze(0).T
+    u_fs = u_f.squeeze(0).unbind(0)  # unbind: its backward stacks, no zero-filled copies
+    c = sum(torch.sigmoid(torch.addmm(b_f.squeeze(0), h, u_fs[k].T)) * ck
             for k, (h, ck) in enumerate(zip(hs, cs)))
     return _finish(iou, c)
 
@@ -247,12 +264,12 @@ def _child_sum_kernel(xs, attr, shape):
     n = attr
     hs, cs = xs[:n], xs[n:2 * n]
     x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[2 * n:]
-    iou = torch.addmm(b_iou[0], x, w_iou[0].T)
+    iou = torch.addmm(b_iou.squeeze(0), x, w_iou.squeeze(0).T)
     if n == 0:
         return _finish(iou, None)
-    iou = iou + sum(hs[1:], hs[0]) @ u_iou[0].T
-    fx = torch.addmm(b_f[0], x, w_f[0].T)
-    c = sum(torch.sigmoid(fx + h @ u_f[0].T) * ck for h, ck in zip(hs, cs))
+    iou = iou + sum(hs[1:], hs[0]) @ u_iou.squeeze(0).T
+    fx = torch.addmm(b_f.squeeze(0), x, w_f.squeeze(0).T)
+    c = sum(torch.sigmoid(fx + h @ u_f.squeeze(0).T) * ck for h, ck in zip(hs, cs))
     return _finish(iou, c)
 
 
@@ -261,7 +278,7 @@ TREE_NARY = Op("tree_lstm_nary", _nary_kernel)
 TREE_CHILD_SUM = Op("tree_lstm_child_sum", _child_sum_kernel)
 
 
-class TreeLSTMCell(nn.Module):
+class TreeLSTMCell(FusedModule):
     """Tree-LSTM cells (Tai et al. 2015): N-ary (ordered children) or child-sum.
 
     N-ary: `leaf(x)` computes i, o, u from a word vector; `cell(children, x=None)` computes
@@ -291,29 +308,30 @@ class TreeLSTMCell(nn.Module):
     def leaf(self, x: Operand) -> State:
         if self.child_sum:
             return self.forward([], x)
-        out = _fused(TREE_LEAF, "tree_lstm_leaf", (x, self.W_iou, self.b_iou),
-                     (2 * self.hidden_size,), expect=((self.W_iou.shape[1],),))
+        x_shape = (self.W_iou.shape[1],)
+        out = self._fused(TREE_LEAF, (x,), (x_shape,), ("W_iou", "b_iou"),
+                          (2 * self.hidden_size,))
         return _split_state(out, self.hidden_size)
 
     def forward(self, children: Sequence[State], x: Operand | None = None) -> State:
-        hs = [h for h, _ in children]
-        cs = [c for _, c in children]
-        shape = (2 * self.hidden_size,)
-        states, x_shape = ((self.hidden_size,),) * (2 * len(children)), (self.W_iou.shape[1],)
+        H = self.hidden_size
+        inputs = [h for h, _ in children] + [c for _, c in children]
+        expect = ((H,),) * len(inputs)
+        if x is not None:
+            inputs.append(x)
+            expect += ((self.W_iou.shape[1],),)
         if self.child_sum:
             if x is None:
                 raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
-            args = (*hs, *cs, x, self.W_iou, self.U_iou, self.W_f, self.U_f, self.b_iou, self.b_f)
-            out = _fused(TREE_CHILD_SUM, "tree_lstm_child_sum", args, shape, len(children),
-                         expect=states + (x_shape,))
+            out = self._fused(TREE_CHILD_SUM, inputs, expect,
+                              ("W_iou", "U_iou", "W_f", "U_f", "b_iou", "b_f"), (2 * H,),
+                              len(children))
         else:
             if len(children) != self.arity:
                 raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
-            args = (*hs, *cs, self.U_iou, self.U_f, self.b_iou, self.b_f)
-            if x is not None:
-                args += (x, self.W_iou)
-            out = _fused(TREE_NARY, "tree_lstm_nary", args, shape, (self.arity, x is not None),
-                         expect=states + (None,) * 4 + (x_shape,))
-        return _split_state(out, self.hidden_size)
+            params = ("U_iou", "U_f", "b_iou", "b_f") + (("W_iou",) if x is not None else ())
+            out = self._fused(TREE_NARY, inputs, expect, params, (2 * H,),
+                              (self.arity, x is not None))
+        return _split_state(out, H)
 
     __call__ = forward

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .errors import ShapeError
 from .graph import PARAMETER, Expression, Graph, Op, Shape, current_graph
+from .signatures import parameter_tag
 
 Operand = Any  # an Expression, a torch.Tensor, an ndarray or a Python number
 
@@ -71,9 +72,9 @@ def binary_operands(a: Operand, b: Operand) -> tuple[Graph, int, int]:
     return g, node(g, a), node(g, b)
 
 
-def _param_tag(g: Graph, n: int) -> str | None:
-    """`P<node>` when node `n` is a parameter: ops that share it batch as one product."""
-    return f"P{n}" if g.ops[n] is PARAMETER else None
+def _param_tag(g: Graph, n: int) -> tuple[str, int] | None:
+    """The signature tag of node `n` when it is a parameter: ops sharing it batch as one product."""
+    return parameter_tag(g.attrs[n]) if g.ops[n] is PARAMETER else None
 
 
 # ---- leaves ------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | 
     if g.device is None:
         g.device = table.device
     shape = (table.shape[1],)
-    return g.add(LOOKUP, (), shape, ("lookup", f"T{id(table)}", sparse, shape), (table, i, sparse))
+    return g.add(LOOKUP, (), shape, ("lookup", parameter_tag(table), sparse, shape), (table, i, sparse))
 
 
 # ---- unary elementwise ---------------------------------------------------------------------
@@ -207,9 +208,9 @@ def _matmul_kernel(xs, attr, shape):
     if a_vec and b_vec:  # dot product of two vectors
         return (a * b).sum(-1)
     if b_vec:  # matrix @ vector: a shared W gives ONE [B, n] x [n, m] product
-        return b @ a[0].T if a.shape[0] == 1 else (a @ b.unsqueeze(-1)).squeeze(-1)
+        return b @ a.squeeze(0).T if a.shape[0] == 1 else (a @ b.unsqueeze(-1)).squeeze(-1)
     if a_vec:  # vector @ matrix
-        return a @ b[0] if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
+        return a @ b.squeeze(0) if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
     return torch.matmul(a, b)  # matrix @ matrix, batched (bmm), broadcasting a shared operand
 
 
@@ -230,7 +231,7 @@ def matmul(a: Operand, b: Operand) -> Expression:
 def _affine_kernel(xs, attr, shape):
     w, x, b = xs
     if w.shape[0] == 1 and b.shape[0] == 1:
-        return torch.addmm(b[0], x, w[0].T)
+        return torch.addmm(b.squeeze(0), x, w.squeeze(0).T)
     return (w @ x.unsqueeze(-1)).squeeze(-1) + b
 
 

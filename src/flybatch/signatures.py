@@ -25,17 +25,24 @@ def key_of(sig: int) -> tuple:
     return _keys[sig]
 
 
+def parameter_tag(tensor: object) -> tuple[str, int]:
+    """How a signature key names a shared parameter: by the tensor's identity, which (unlike
+    its node id) is the same in every graph, so the table of signatures does not grow with
+    each minibatch."""
+    return ("P", id(tensor))
+
+
 def describe(sig: int) -> str:
-    """A readable form of a signature, e.g. `matmul[P3](64, 96)@(96,)` or `tanh(64,)`."""
+    """A readable form of a signature, e.g. `matmul[param](64, 96)(96,)` or `tanh(64,)`."""
     name, *rest = _keys[sig]
-    parts = []
-    for item in rest:
-        if isinstance(item, str) and item.startswith("T"):
-            item = "table"  # a lookup table's id() says nothing to a reader
-        if isinstance(item, tuple) and all(isinstance(d, int) for d in item):
-            parts.append(str(item))
-        elif isinstance(item, tuple):
-            parts.append("".join(str(s) for s in item))
-        else:
-            parts.append(f"[{item}]")
-    return name + "".join(parts)
+    return name + "".join(_describe(item) for item in rest)
+
+
+def _describe(item: object) -> str:
+    if isinstance(item, tuple):
+        if len(item) == 2 and item[0] == "P":
+            return "[param]"
+        if all(isinstance(d, int) for d in item):
+            return str(item)
+        return "".join(_describe(i) for i in item)
+    return "" if item is None else f"[{item}]"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import cached_property, partial
+from itertools import chain
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -29,8 +31,13 @@ class Stats:
     by_signature: Counter              # readable signature -> launches
     gathers: int                       # input copies made (index_select / cat)
     gathers_avoided: int               # inputs read as a view (contiguous run or shared node)
-    lower_bound: int                   # launches no schedule can beat
     seconds: dict = field(default_factory=dict)  # build, schedule, forward, backward
+    _bound: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+
+    @cached_property
+    def lower_bound(self) -> int:
+        """Launches no schedule can beat; computed on first use (it is a pass over the graph)."""
+        return self._bound()
 
     @property
     def launches_over_bound(self) -> float:
@@ -53,16 +60,18 @@ def collect(graph: "Graph") -> Stats:
     sizes = Counter(size for _, size in graph.launches)
     by_sig = Counter(signatures.describe(sig) for sig, _ in graph.launches)
     return Stats(graph.strategy, graph.n_nodes, len(graph.launches), sizes, by_sig,
-                 graph.gathers, graph.gathers_avoided, lower_bound(graph), dict(graph.seconds))
+                 graph.gathers, graph.gathers_avoided, dict(graph.seconds),
+                 partial(lower_bound, graph, graph.n_nodes))
 
 
-def lower_bound(graph: "Graph") -> int:
-    n = graph.n_nodes
+def lower_bound(graph: "Graph", n: int | None = None) -> int:
+    """The lower bound over the first `n` nodes (default: all)."""
+    n = graph.n_nodes if n is None else n
     if n == 0:
         return 0
-    leaf = np.fromiter((op.leaf for op in graph.ops), bool, n)
-    sigs = np.array(graph.sigs, np.int64)
-    depths = np.array(graph.depths, np.int64)
+    leaf = np.fromiter((op.leaf for op in graph.ops[:n]), bool, n)
+    sigs = np.array(graph.sigs[:n], np.int64)
+    depths = np.array(graph.depths[:n], np.int64)
     compute = np.flatnonzero(~leaf)
     if len(compute) == 0:
         return 0
@@ -72,9 +81,10 @@ def lower_bound(graph: "Graph") -> int:
     n_sigs = int(sig_of.max()) + 1
     # count[v, s]: most nodes of signature s on any path ending at v.
     count = np.zeros((n, n_sigs), np.int32)
-    lens = np.fromiter(map(len, graph.args), np.int64, n)
+    args = graph.args[:n]
+    lens = np.fromiter(map(len, args), np.int64, n)
     dst = np.repeat(np.arange(n), lens)
-    src = np.fromiter((a for args in graph.args for a in args), np.int64, int(lens.sum()))
+    src = np.fromiter(chain.from_iterable(args), np.int64, int(lens.sum()))
     edge_level = depths[dst]
     order = np.argsort(edge_level, kind="stable")
     src, dst, edge_level = src[order], dst[order], edge_level[order]
