@@ -1,17 +1,22 @@
 """Execution: run a schedule, one kernel per batch, results kept as batch tensors.
 
 A node's value is row `graph.node_row[v]` of tensor `graph.values[graph.node_batch[v]]`.
-To feed a batch, each argument position is gathered into ONE tensor with the batch in dim 0:
-- every node of the batch reads the same node (a parameter, an interned constant): a `[1, ...]`
-  view that the kernel broadcasts;
-- the inputs are a contiguous, in-order run of one earlier result: a zero-copy `narrow`;
-- otherwise one `index_select` per source tensor (and one `cat` when there are several).
-Backward needs nothing here: the batched forward is recorded by PyTorch autograd, so the
-backward pass runs over the same batches.
+Before anything runs, every argument position of every batch is planned as a *read* of earlier
+results, gathered into ONE tensor with the batch in dim 0:
+- a contiguous, in-order run of one result (or every node reading the same node, a `[1, ...]`
+  view the kernel broadcasts): a zero-copy view, the whole tensor itself when it covers it;
+- arbitrary rows of one result: one `index_select`; rows of several results: one per result
+  and one `cat` (and one more `index_select` to restore the order when needed).
+Backward is PyTorch autograd over the batched forward, so it runs over the same batches. Its
+cost trap: every partial read of a result makes autograd build a zero tensor the size of the
+whole result in backward. So a result read in pieces by several later batches is *fanned out*
+once, right after it is computed: `torch.split` into its runs when the reads are disjoint runs,
+else one `_FanOut` whose backward fills a single zero tensor and adds every piece's gradient in.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,84 +27,189 @@ from .scheduling import Schedule
 if TYPE_CHECKING:
     from .graph import Graph
 
+# A read: ("view", source, start, length) | ("rows", source, rows) | ("multi", part_reads, order)
+Read = tuple
+
 
 def run(graph: "Graph", plan: Schedule) -> None:
+    reads, batch_reads = _plan_reads(graph, plan)
+    fanned = _plan_fan_outs(graph, plan, reads)
+    pieces: dict[int, torch.Tensor] = {}
+    for source in [s for s in fanned if s < plan.first_batch]:
+        _fan_out(graph, source, fanned[source], reads, pieces)
     values, shapes, ops, attrs = graph.values, graph.shapes, graph.ops, graph.attrs
-    gather = _Gatherer(graph)
-    for nodes in plan.batches:
+    for nodes, (arg_reads, stacked) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
         op = ops[first]
         if op.leaf:
             values.append(op.kernel(graph, nodes))
-            continue
-        size = len(nodes)
+        else:
+            size = len(nodes)
+            xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
+            if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
+                arg_shape = shapes[graph.args[first][0]]
+                xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked, *arg_shape)
+            attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
+            out = op.kernel(xs, attr, shapes[first])
+            if out.shape[0] != size:
+                out = out.expand(size, *out.shape[1:])
+            values.append(out)
+            graph.launches.append((graph.sigs[first], size))
+        source = len(values) - 1
+        if source in fanned:
+            _fan_out(graph, source, fanned[source], reads, pieces)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+def _plan_reads(graph: "Graph", plan: Schedule) -> tuple[list[Read], list[tuple[list[int], int]]]:
+    """Every read of every batch, as data: `reads[k]`, and per batch the read ids of its
+    arguments with, for a variadic op read as one stacked tensor, its arity (else 0)."""
+    reads: list[Read] = []
+    batch_reads: list[tuple[list[int], int]] = []
+    ops = graph.ops
+    for nodes in plan.batches:
+        first = int(nodes[0])
+        op = ops[first]
         local = nodes - plan.start
         arity = int(plan.arg_ptr[local[0] + 1] - plan.arg_ptr[local[0]])
+        if op.leaf or arity == 0:
+            batch_reads.append(([], 0))
+            continue
         cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
-        if op.stack_from is not None and arity >= op.stack_from:
-            arg_shape = shapes[int(cols[0, 0])]
-            flat = gather(cols.reshape(-1))  # [1, ...] when every id is the same node
-            xs = [flat.expand(size * arity, *arg_shape).reshape(size, arity, *arg_shape)]
+        stacked = op.stack_from is not None and arity >= op.stack_from
+        columns = [cols.reshape(-1)] if stacked else [cols[:, j] for j in range(arity)]
+        batch_reads.append(([_plan_read(graph, ids, reads) for ids in columns],
+                            arity if stacked else 0))
+    return reads, batch_reads
+
+
+def _plan_read(graph: "Graph", ids: np.ndarray, reads: list[Read], broadcast: bool = True) -> int:
+    """Plan the read of `ids`; with `broadcast`, one row may stand for a batch of one node."""
+    src = graph.node_batch[ids]
+    rows = graph.node_row[ids]
+    first_src, first_row = int(src[0]), int(rows[0])
+    size = len(ids)
+    if size == 1 or broadcast and (ids == ids[0]).all():
+        reads.append(("view", first_src, first_row, 1))
+    elif (src == first_src).all():
+        if rows[-1] - first_row == size - 1 and (np.diff(rows) == 1).all():
+            reads.append(("view", first_src, first_row, size))
         else:
-            xs = [gather(cols[:, j]) for j in range(arity)]
-        attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
-        out = op.kernel(xs, attr, shapes[first])
-        if out.shape[0] != size:
-            out = out.expand(size, *out.shape[1:])
-        values.append(out)
-        graph.launches.append((graph.sigs[first], size))
+            reads.append(("rows", first_src, rows))
+    else:
+        order = np.argsort(src, kind="stable")
+        sorted_src = src[order]
+        cuts = np.flatnonzero(sorted_src[1:] != sorted_src[:-1]) + 1
+        parts = [_plan_read(graph, ids[part], reads, broadcast=False)
+                 for part in np.split(order, cuts)]
+        in_order = bool((order == np.arange(size)).all())
+        inverse = None
+        if not in_order:
+            inverse = np.empty(size, np.int64)
+            inverse[order] = np.arange(size)
+        reads.append(("multi", parts, inverse))
+    return len(reads) - 1
+
+
+def _plan_fan_outs(graph: "Graph", plan: Schedule, reads: list[Read]) -> dict[int, list[int]]:
+    """Sources read in pieces (not whole) by two or more reads -> the ids of those reads."""
+    def rows_of(source: int) -> int:
+        if source >= plan.first_batch:  # computed by this forward: not a tensor yet
+            return len(plan.batches[source - plan.first_batch])
+        return graph.values[source].shape[0]
+
+    by_source: dict[int, list[int]] = defaultdict(list)
+    for k, read in enumerate(reads):
+        kind, source = read[0], read[1]
+        if kind == "rows" or kind == "view" and not (read[2] == 0 and read[3] == rows_of(source)):
+            by_source[source].append(k)
+    return {s: ks for s, ks in by_source.items() if len(ks) >= 2}
+
+
+# ---- running reads -----------------------------------------------------------------------------
+class _FanOut(torch.autograd.Function):
+    """Several `index_select`s of one tensor whose backward fills ONE zero tensor."""
+
+    @staticmethod
+    def forward(ctx, source, *indices):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*indices)
+        ctx.source_shape = source.shape
+        return tuple(source.index_select(0, index) for index in indices)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None,) * (1 + len(grads))
+        grad = present[0].new_zeros(ctx.source_shape)
+        for index, g in zip(ctx.saved_tensors, grads):
+            if g is not None:
+                grad.index_add_(0, index, g)
+        return (grad,) + (None,) * len(grads)
+
+
+def _fan_out(graph: "Graph", source: int, read_ids: list[int], reads: list[Read],
+             pieces: dict[int, torch.Tensor]) -> None:
+    tensor = graph.values[source]
+    if not tensor.requires_grad:
+        return  # no backward to protect: the reads run as plain views and selects
+    spans = [reads[k][2:4] if reads[k][0] == "view" else None for k in read_ids]
+    if None not in spans:
+        # Disjoint runs: split into views; backward concatenates (one allocation).
+        ordered = sorted(set(spans))
+        ends = [a + n for a, n in ordered]
+        if all(end <= nxt for end, (nxt, _) in zip(ends, ordered[1:])):
+            sizes, at, span_piece = [], 0, {}
+            for start, n in ordered:
+                if start > at:
+                    sizes.append(start - at)
+                span_piece[(start, n)] = len(sizes)
+                sizes.append(n)
+                at = start + n
+            if at < tensor.shape[0]:
+                sizes.append(tensor.shape[0] - at)
+            split = torch.split(tensor, sizes)
+            for k, span in zip(read_ids, spans):
+                pieces[k] = split[span_piece[span]]
+            graph.gathers_avoided += len(read_ids)
+            return
+    indices = []
+    for k in read_ids:
+        read = reads[k]
+        rows = (np.arange(read[2], read[2] + read[3]) if read[0] == "view" else read[2])
+        indices.append(torch.from_numpy(np.ascontiguousarray(rows)).to(tensor.device))
+    for k, piece in zip(read_ids, _FanOut.apply(tensor, *indices)):
+        pieces[k] = piece
+    graph.gathers += len(read_ids)
+
+
+def _resolve(graph: "Graph", k: int, reads: list[Read], pieces: dict[int, torch.Tensor]
+             ) -> torch.Tensor:
+    piece = pieces.pop(k, None)
+    if piece is not None:
+        return piece
+    read = reads[k]
+    kind = read[0]
+    if kind == "view":
+        graph.gathers_avoided += 1
+        return _rows(graph.values[read[1]], read[2], read[3])
+    if kind == "rows":
+        graph.gathers += 1
+        source = graph.values[read[1]]
+        return source.index_select(0, _index(read[2], source))
+    graph.gathers += 1
+    stacked = torch.cat([_resolve(graph, p, reads, pieces) for p in read[1]])
+    inverse = read[2]
+    return stacked if inverse is None else stacked.index_select(0, _index(inverse, stacked))
 
 
 def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Rows start..start+length of a batch result, as a view.
-
-    The whole tensor is returned as it is: a `narrow` would add a backward step that fills a
-    zero tensor the size of the source, the largest cost of a batched backward.
-    """
+    """Rows start..start+length of a batch result, as a view (the tensor itself if all)."""
     if start == 0 and length == source.shape[0]:
         return source
     return source.narrow(0, start, length)
 
 
-class _Gatherer:
-    """Builds the `[B, ...]` input tensor of one argument position, copying as little as it can."""
-
-    def __init__(self, graph: "Graph"):
-        self.graph = graph
-
-    def __call__(self, ids: np.ndarray) -> torch.Tensor:
-        graph = self.graph
-        values = graph.values
-        src = graph.node_batch[ids]
-        rows = graph.node_row[ids]
-        first_src, first_row = int(src[0]), int(rows[0])
-        size = len(ids)
-        if size == 1 or (ids == ids[0]).all():
-            graph.gathers_avoided += 1
-            return _rows(values[first_src], first_row, 1)
-        if (src == first_src).all():
-            source = values[first_src]
-            if rows[-1] - first_row == size - 1 and (np.diff(rows) == 1).all():
-                graph.gathers_avoided += 1
-                return _rows(source, first_row, size)
-            graph.gathers += 1
-            return source.index_select(0, self._index(rows, source))
-        # Several source batches: one index_select each, one cat, then restore the row order.
-        graph.gathers += 1
-        order = np.argsort(src, kind="stable")
-        sorted_src = src[order]
-        cuts = np.flatnonzero(sorted_src[1:] != sorted_src[:-1]) + 1
-        pieces = []
-        for part in np.split(order, cuts):
-            source = values[int(src[part[0]])]
-            pieces.append(source.index_select(0, self._index(rows[part], source)))
-        stacked = torch.cat(pieces)
-        if (order == np.arange(size)).all():
-            return stacked
-        inverse = np.empty(size, np.int64)
-        inverse[order] = np.arange(size)
-        return stacked.index_select(0, self._index(inverse, stacked))
-
-    @staticmethod
-    def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)
+def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)

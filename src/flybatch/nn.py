@@ -117,8 +117,8 @@ class MLP(nn.Module):
 
 # ---- LSTM ----------------------------------------------------------------------------------------
 def _lstm_kernel(xs, attr, shape):
-    x, h, c, w_ih, w_hh, b = xs
-    gates = torch.addmm(b.squeeze(0), x, w_ih.squeeze(0).T) + h @ w_hh.squeeze(0).T
+    projected, h, c, w_hh = xs
+    gates = projected + h @ w_hh.squeeze(0).T
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.cat([torch.sigmoid(o) * torch.tanh(c), c], 1)
@@ -128,7 +128,12 @@ LSTM_CELL = Op("lstm_cell", _lstm_kernel)
 
 
 class LSTMCell(FusedModule):
-    """A standard LSTM cell (PyTorch's gate order i, f, g, o; one bias)."""
+    """A standard LSTM cell (PyTorch's gate order i, f, g, o; one bias).
+
+    A step is two nodes: the input projection `W_ih x + b`, which depends on x only, and the
+    recurrent cell. The agenda therefore runs the projections of ALL steps of all sequences as
+    one large matrix product (as cuDNN does), and only `W_hh h` stays in the sequential loop.
+    """
 
     def __init__(self, input_size: int, hidden_size: int):
         super().__init__()
@@ -143,8 +148,9 @@ class LSTMCell(FusedModule):
             zero = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
             state = (zero, zero)
         H = self.hidden_size
-        out = self._fused(LSTM_CELL, (x, *state), ((self.input_size,), (H,), (H,)),
-                          ("weight_ih", "weight_hh", "bias"), (2 * H,))
+        projected = ops.affine(self.weight_ih, x, self.bias)
+        out = self._fused(LSTM_CELL, (projected, *state), ((4 * H,), (H,), (H,)),
+                          ("weight_hh",), (2 * H,))
         return _split_state(out, H)
 
     __call__ = forward
