@@ -63,7 +63,12 @@ class FusedModule(nn.Module):
 
 
 def _split_state(out: Expression, hidden: int) -> State:
-    return ops.slice_rows(out, 0, hidden), ops.slice_rows(out, hidden, 2 * hidden)
+    """(h, c) from a cell's `[h; c]`: two slice nodes, built directly (no checks needed)."""
+    g, n = out.graph, out.id
+    whole = (2 * hidden,)
+    return (g.add(ops.SLICE, (n,), (hidden,), ("slice", whole, 0, hidden), (0, hidden)),
+            g.add(ops.SLICE, (n,), (hidden,), ("slice", whole, hidden, 2 * hidden),
+                  (hidden, 2 * hidden)))
 
 
 class Linear(nn.Module):

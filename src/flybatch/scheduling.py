@@ -148,13 +148,16 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
     np.cumsum(np.bincount(src, minlength=n), out=cons_ptr[1:])
 
     uniq, sig_of = np.unique(sigs, return_inverse=True)
-    rank = _signature_ranks(sig_of, len(uniq), depths, src, dst)
-
-    # DyNet's priority of a signature: lowest average depth first, cheap ops first on ties.
     first_of = np.zeros(len(uniq), np.int64)
     first_of[sig_of[::-1]] = np.arange(n)[::-1]
+    first_ops = [graph.ops[start + f] for f in first_of.tolist()]
+    leaf_sig = np.array([op.leaf for op in first_ops])
+    from_compute = ~leaf_sig[sig_of[src]]  # a leaf adds nothing to another signature's count
+    rank = _signature_ranks(sig_of, len(uniq), depths, src[from_compute], dst[from_compute])
+
+    # DyNet's priority of a signature: lowest average depth first, cheap ops first on ties.
     avg_depth = np.bincount(sig_of, weights=depths) / np.bincount(sig_of)
-    costly = np.array([not graph.ops[start + int(f)].cheap for f in first_of])
+    costly = np.array([not op.cheap for op in first_ops])
     sig_priority = np.empty(len(uniq), np.int64)
     sig_priority[np.lexsort((uniq, costly, avg_depth))] = np.arange(len(uniq))
 
@@ -168,6 +171,13 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
 
     def make_ready(nodes: np.ndarray) -> None:
         groups = group_of[nodes]
+        if groups.min() == groups.max():  # the common case: one group
+            g = int(groups[0])
+            ready.setdefault(g, []).append(nodes)
+            ready_count[g] += len(nodes)
+            if ready_count[g] == remaining[g]:
+                heapq.heappush(complete, g)
+            return
         order = np.argsort(groups, kind="stable")
         nodes, groups = nodes[order], groups[order]
         cuts = np.flatnonzero(groups[1:] != groups[:-1]) + 1
@@ -193,11 +203,10 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
             continue
         offsets = np.repeat(begin - np.cumsum(counts) + counts, counts)
         released = consumers[offsets + np.arange(total)]
-        nodes, hits = np.unique(released, return_counts=True)
-        waiting[nodes] -= hits
-        now_ready = nodes[waiting[nodes] == 0]
+        np.subtract.at(waiting, released, 1)
+        now_ready = released[waiting[released] == 0]
         if len(now_ready):
-            make_ready(now_ready)
+            make_ready(np.unique(now_ready))
 
 
 def _signature_ranks(sig_of: np.ndarray, n_sigs: int, depths: np.ndarray, src: np.ndarray,
@@ -206,25 +215,27 @@ def _signature_ranks(sig_of: np.ndarray, n_sigs: int, depths: np.ndarray, src: n
 
     Dynamic programming over depth levels (edges always go to a deeper node), vectorised over
     nodes and signatures: count[v, s] = [sig(v) = s] + max over inputs u of count[u, s].
+    `dst` must be ascending (it is: edges are listed per consuming node, in node order).
     """
     n = len(sig_of)
     count = np.zeros((n, n_sigs), np.int32)
-    by_level = np.lexsort((dst, depths[dst]))
+    by_level = np.argsort(depths[dst], kind="stable")  # keeps dst ascending within a level
     src, dst = src[by_level], dst[by_level]
-    edge_level = depths[dst]
+    heads = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if len(dst) else dst
+    head_dst = dst[heads]
     node_order = np.argsort(depths, kind="stable")
     node_level = depths[node_order]
-    levels = np.unique(node_level)
-    edge_cuts = np.searchsorted(edge_level, levels)
-    node_cuts = np.searchsorted(node_level, levels)
-    edge_ends = np.r_[edge_cuts[1:], len(dst)]
-    node_ends = np.r_[node_cuts[1:], n]
-    for e0, e1, n0, n1 in zip(edge_cuts.tolist(), edge_ends.tolist(), node_cuts.tolist(),
-                              node_ends.tolist()):
-        if e1 > e0:
-            d = dst[e0:e1]
-            heads = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-            count[d[heads]] = np.maximum.reduceat(count[src[e0:e1]], heads, axis=0)
+    level_starts = np.flatnonzero(np.r_[True, node_level[1:] != node_level[:-1]])
+    levels = node_level[level_starts]
+    node_ends = np.r_[level_starts[1:], n].tolist()
+    head_cuts = np.searchsorted(depths[head_dst], np.r_[levels, levels[-1] + 1]).tolist()
+    edge_cuts = np.r_[heads, len(dst)][head_cuts].tolist()
+    for i, (n0, n1) in enumerate(zip(level_starts.tolist(), node_ends)):
+        h0, h1 = head_cuts[i], head_cuts[i + 1]
+        if h1 > h0:
+            e0, e1 = edge_cuts[i], edge_cuts[i + 1]
+            count[head_dst[h0:h1]] = np.maximum.reduceat(count[src[e0:e1]], heads[h0:h1] - e0,
+                                                         axis=0)
         at = node_order[n0:n1]
         count[at, sig_of[at]] += 1
     return count[np.arange(n), sig_of]
