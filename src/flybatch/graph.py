@@ -162,11 +162,12 @@ class Graph:
         self.args: list[tuple[int, ...]] = []
         self.shapes: list[Shape] = []
         self.sigs: list[int] = []
-        self.depths: list[int] = []
+        self.depths: list[int] = []  # longest path from a leaf through pending nodes
         self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
         # Execution state: node -> (batch, row) of `values`, filled by the scheduler.
         self.n_done = 0
+        self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
         self.node_batch = np.zeros(0, dtype=np.int64)
         self.node_row = np.zeros(0, dtype=np.int64)
@@ -191,13 +192,17 @@ class Graph:
         sig = _signature_ids.get(sig_key)
         if sig is None:
             sig = signatures.intern(sig_key)
-        depths = self.depths
+        # Depth counts pending inputs only: an input computed by an earlier forward is as
+        # available as a leaf, so the next forward's scheduling should not wait for it.
+        depths, done = self.depths, self.n_done
         if len(args) == 1:
-            depth = depths[args[0]] + 1
+            a = args[0]
+            depth = (depths[a] if a >= done else 0) + 1
         elif len(args) == 2:
-            depth = max(depths[args[0]], depths[args[1]]) + 1
+            a, b = args
+            depth = max(depths[a] if a >= done else 0, depths[b] if b >= done else 0) + 1
         else:
-            depth = 1 + max([depths[a] for a in args]) if args else 0
+            depth = 1 + max([depths[a] if a >= done else 0 for a in args]) if args else 0
         node = len(depths)
         depths.append(depth)
         self.ops.append(op)
@@ -283,6 +288,7 @@ class Graph:
                 self.node_batch[start:end] = -1
                 raise
             self.n_done = end
+            self.forward_ends.append(end)
             self.forwards += 1
             self._idle_since = time.perf_counter()
         if exprs is None:

@@ -71,7 +71,11 @@ def lower_bound(graph: "Graph", n: int | None = None) -> int:
         return 0
     leaf = np.fromiter((op.leaf for op in graph.ops[:n]), bool, n)
     sigs = np.array(graph.sigs[:n], np.int64)
+    # Depths count pending inputs only (see Graph.add), so order levels by the forward that
+    # computed a node first, then by depth: every edge goes to a later level.
     depths = np.array(graph.depths[:n], np.int64)
+    segment = np.searchsorted(np.array(graph.forward_ends, np.int64), np.arange(n), side="right")
+    depths = segment * (int(depths.max()) + 1) + depths
     compute = np.flatnonzero(~leaf)
     if len(compute) == 0:
         return 0
