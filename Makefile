@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench clean peers
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,5 +17,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m flybatch.demo
 
+bench: $(STAMP)
+	$(PY) -m flybatch.bench all --quick
+
 clean:
 	rm -rf $(VENV)
+
+# DyNet 2.1.2 peer environment (.venv-peers) for the dynet-* benchmark modes; compiles
+# DyNet (several minutes). Never part of `make test`.
+peers:
+	bash scripts/install-peers.sh

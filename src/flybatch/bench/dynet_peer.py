@@ -30,7 +30,19 @@ loss = ``dy.esum`` of per-instance losses, ``dy.AdamTrainer`` (lr 0.001, gradien
 clipping off, sparse updates of lookup parameters).  LSTMs are ``dy.VanillaLSTMBuilder``
 with ``forget_bias=0.0`` (its default 1.0 would add 1 to the forget gate, off spec);
 then its cell is exactly the spec's.  ``--init`` loads every parameter from the spec's
-``.npz`` (PyTorch layout and gate order i,f,g,o; converted to the builder's i,f,o,g).
+``.npz`` (PyTorch layout and gate order i,f,g,o; converted to the builder's i,f,o,g);
+``--dump-init`` writes the initial values back in that layout.  Keys (float32):
+
+* bilstm-synthetic: ``E`` (1000x200), ``lstm{1,2}.{fwd,bwd}.{W_ih,W_hh,b}``, ``H``, ``O``
+* bilstm: ``E`` (Vx256), ``lstm1.{fwd,bwd}.{W_ih,W_hh,b}``, ``H`` (256x512), ``O`` (Tx256)
+* bilstm-char: as bilstm plus ``C`` (nchars x 64), ``char.{fwd,bwd}.{W_ih,W_hh,b}``
+* treelstm: ``E``, ``W_i W_o W_u U_f1 U_f2`` (256x256), ``U_i U_o U_u`` (256x512),
+  ``b_i b_o b_u b_f`` (256), ``W_out`` (5x256), ``b_out`` (5)
+* parser: ``E_word`` (Vw x100), ``E_pos`` (Vp x25), ``lstm1.{fwd,bwd}.{W_ih,W_hh,b}``,
+  ``pad`` (400), ``M_h`` (100x1600), ``m_h`` (100), ``M_o`` (3x100), ``m_o`` (3)
+
+LSTM ``W_ih`` is 4H x X, ``W_hh`` 4H x H, ``b`` 4H.  Vocabulary sizes and instance ids come
+from :func:`flybatch.bench.tasks_data.prepare`, shared with the PyTorch modes.
 """
 
 from __future__ import annotations
@@ -164,9 +176,10 @@ class Tagger:
             self.cbwd = params.add_lstm("char.bwd", 64, 128)
 
     def begin(self):
-        """Call after each dy.renew_cg()."""
-        self.H = dy.parameter(self.pH)
-        self.O = dy.parameter(self.pO)
+        """Call after each dy.renew_cg().  (In DyNet 2.1 a Parameters object is an
+        Expression, added to the current graph once on first use: no dy.parameter.)"""
+        self.H = self.pH
+        self.O = self.pO
         self.inits = [(f.initial_state(), b.initial_state()) for f, b in self.layers]
         if self.char:
             self.cf0 = self.cfwd.initial_state()
@@ -214,12 +227,9 @@ class TreeLSTM:
         self.pbout = params.add("b_out", (sizes["labels"],))
 
     def begin(self):
-        self.W = [dy.parameter(p) for p in self.pW]
-        self.U = [dy.parameter(p) for p in self.pU]
-        self.Uf = [dy.parameter(p) for p in self.pUf]
-        self.b = [dy.parameter(p) for p in self.pb]
-        self.Wout = dy.parameter(self.pWout)
-        self.bout = dy.parameter(self.pbout)
+        self.W, self.U, self.Uf, self.b = self.pW, self.pU, self.pUf, self.pb
+        self.Wout = self.pWout
+        self.bout = self.pbout
 
     def expr_for_tree(self, tree, hs=None):
         """(h, c) of ``tree``; appends (h, label) of every node to ``hs`` if given."""
@@ -281,9 +291,9 @@ class Parser:
         self.phase = {"build": 0.0, "forward": 0.0}
 
     def begin(self):
-        self.pad = dy.parameter(self.ppad)
-        self.Mh, self.mh = dy.parameter(self.pMh), dy.parameter(self.pmh)
-        self.Mo, self.mo = dy.parameter(self.pMo), dy.parameter(self.pmo)
+        self.pad = self.ppad
+        self.Mh, self.mh = self.pMh, self.pmh
+        self.Mo, self.mo = self.pMo, self.pmo
         self.f0 = self.fwd.initial_state()
         self.b0 = self.bwd.initial_state()
 
@@ -406,6 +416,15 @@ def eval_minibatch(model, batch):
     return time.perf_counter() - t0
 
 
+def _rss_mb():
+    """Current resident set size in MB (Linux /proc), or None."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m flybatch.bench.dynet_peer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -436,7 +455,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    global dy, np
+    global np
     args = parse_args(argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -447,18 +466,30 @@ def main(argv=None):
 
     dynet_config.set(mem=str(args.mem), random_seed=args.dynet_seed,
                      autobatch=STRATEGIES[args.strategy])
-    # DyNet reports its seed and memory on stderr; keep stdout for the one JSON line.
-    saved = os.dup(1)
+    # stdout carries exactly one JSON line: anything else printed while we run (DyNet's
+    # messages, deprecation notes) goes to stderr.
+    sys.stdout.flush()
+    json_fd = os.dup(1)
     os.dup2(2, 1)
     try:
-        import dynet
-
-        dy = dynet
+        result = _run(args)
     finally:
         sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        os.dup2(json_fd, 1)
+        os.close(json_fd)
+    print(json.dumps(result), flush=True)
+    return result
 
+
+def _run(args):
+    global dy
+    import dynet
+
+    dy = dynet
+
+    # RSS after the imports (flybatch/__init__ imports torch) and DyNet's start-up, which
+    # allocates and touches its whole --mem pool: most of peak_rss_mb is this baseline.
+    baseline_rss = _rss_mb()
     data = prepare(args.task, args.data_dir, seed=args.seed, n_synthetic=args.n_synthetic)
     pc = dy.ParameterCollection()
     params = Params(pc)
@@ -487,7 +518,7 @@ def main(argv=None):
             continue
         if start is None:
             start = time.perf_counter() - sum(phases.values())
-        timed.append(phases)
+        timed.append((phases, len(batch)))
         if args.max_minibatches is not None and len(timed) >= args.max_minibatches:
             break
         if len(timed) >= args.min_timed and time.perf_counter() - start >= args.seconds:
@@ -510,14 +541,14 @@ def main(argv=None):
         if args.max_minibatches is not None and len(eval_times) >= args.max_minibatches:
             break
 
-    med = {key: statistics.median(p[key] for p in timed) for key in timed[0]}
-    train_med = statistics.median(sum(p.values()) for p in timed)
+    med = {key: statistics.median(p[key] for p, _ in timed) for key in timed[0][0]}
+    train_med = statistics.median(sum(p.values()) for p, _ in timed)
     eval_med = statistics.median(t for t, _ in eval_times)
     eval_size = eval_times[0][1]
     result = {
         "mode": f"dynet-{args.strategy}",
         "task": args.task,
-        "train_per_s": bs / train_med,
+        "train_per_s": timed[0][1] / train_med,
         "eval_per_s": eval_size / eval_med,
         "first_loss": first_loss,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -528,8 +559,8 @@ def main(argv=None):
         "timed_eval_minibatches": len(eval_times),
         "data": "synthetic" if args.data_dir is None or args.task == "bilstm-synthetic" else "real",
         "init": "npz" if args.init else "dynet",
+        "baseline_rss_mb": baseline_rss,
     }
-    print(json.dumps(result), flush=True)
     return result
 
 

@@ -1,0 +1,110 @@
+"""The benchmark instrument: every mode of every task computes the same thing (tiny, synthetic)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from flybatch.bench import report, runner
+from flybatch.bench.tasks import MODES, create
+from flybatch.bench.tasks_data import minibatches, prepare
+
+OWN_TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm")
+BATCH = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    out = {t: prepare(t, None, seed=0, n_synthetic=12) for t in OWN_TASKS}
+    for t in ("bilstm-synthetic", "bilstm", "bilstm-char"):  # short sentences: a fast test
+        d = out[t]
+        d.train = [x._replace(**{k: v[:7] for k, v in x._asdict().items() if v is not None})
+                   for x in d.train]
+        d.dev = [x._replace(**{k: v[:7] for k, v in x._asdict().items() if v is not None})
+                 for x in d.dev]
+    return out
+
+
+@pytest.mark.parametrize("task_name", OWN_TASKS)
+def test_modes_agree_on_loss_gradients_and_predictions(task_name, datasets):
+    data = datasets[task_name]
+    batches = minibatches(data.train, BATCH, seed=0)
+    first, second = next(batches), next(batches)
+    task = create(task_name, data, "cpu", seed=0)
+    losses, preds, grads = {}, {}, {}
+    for mode in MODES:
+        r = task.step(mode, first, train=True)
+        losses[mode] = r.loss
+        grads[mode] = {n: p.grad.to_dense().clone() for n, p in task.params.items()
+                       if p.grad is not None}
+        for p in task.params.values():
+            p.grad = None
+        preds[mode] = task.step(mode, data.dev[:BATCH], train=False).predictions
+        assert (r.stats is not None) == (mode in ("none", "depth", "agenda"))
+    print(runner.check_losses(task_name, losses))  # raises on a mismatch
+    for mode in MODES[1:]:
+        assert preds[mode] == preds["eager"], mode
+        assert grads[mode].keys() == grads["eager"].keys()
+        for n, g in grads[mode].items():
+            torch.testing.assert_close(g, grads["eager"][n], rtol=1e-3, atol=1e-4, msg=n)
+    # The optimizer updates embedding tables sparsely: their gradients are sparse.
+    r = task.step("agenda", second, train=True)
+    assert all(p.grad.is_sparse for p in task.sparse_params)
+    runner.Optimizer(task).step()
+    assert all(p.grad is None for p in task.params.values())
+
+
+def test_same_seed_same_parameters_and_spec_round_trip(datasets):
+    data = datasets["treelstm"]
+    a, b = create("treelstm", data, "cpu", 0), create("treelstm", data, "cpu", 0)
+    spec = a.export_spec()
+    assert set(spec) == {"E", "W_i", "W_o", "W_u", "U_i", "U_o", "U_u", "U_f1", "U_f2",
+                         "b_i", "b_o", "b_u", "b_f", "W_out", "b_out"}
+    assert spec["U_i"].shape == (256, 512) and spec["W_out"].shape == (5, 256)
+    for n, v in b.export_spec().items():
+        np.testing.assert_array_equal(v, spec[n])
+    c = create("treelstm", data, "cpu", seed=1)
+    assert not np.array_equal(c.export_spec()["W_i"], spec["W_i"])
+    c.load_spec(spec)
+    for n, v in c.export_spec().items():
+        np.testing.assert_array_equal(v, spec[n])
+
+
+def test_tagger_spec_names(datasets):
+    spec = create("bilstm-char", datasets["bilstm-char"], "cpu", 0).export_spec()
+    lstm = {f"{p}.{k}" for p in ("lstm1.fwd", "lstm1.bwd", "char.fwd", "char.bwd")
+            for k in ("W_ih", "W_hh", "b")}
+    assert set(spec) == {"E", "C", "H", "O"} | lstm
+    assert spec["char.fwd.W_ih"].shape == (512, 64) and spec["H"].shape == (256, 512)
+
+
+def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
+    s = runner.Settings(batch_size=BATCH, seconds=0.0, eval_seconds=0.0, warmup=0, min_timed=1,
+                        n_synthetic=12, out=str(tmp_path / "r.jsonl"))
+    recs = runner.run_task("treelstm", ["eager", "agenda", "manual"], s)
+    assert [r["mode"] for r in recs][:3] == ["eager", "agenda", "manual"]
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert len(lines) == len(recs)
+    agenda = recs[1]
+    assert agenda["launches"] >= agenda["lower_bound"] > 0 and agenda["train_per_s"] > 0
+    assert set(agenda["seconds"]) >= {"build", "schedule", "forward", "backward", "update"}
+    out = capsys.readouterr().out
+    assert "correctness treelstm" in out and "OK" in out
+    table = report.markdown(lines)
+    assert "| treelstm |" in table and "agenda" in table
+    assert {p.name for p in report.charts(lines, tmp_path)} == {"throughput.png",
+                                                                 "breakdown.png"}
+
+
+def test_mismatched_losses_fail_loudly():
+    with pytest.raises(runner.CorrectnessError, match="MISMATCH"):
+        runner.check_losses("x", {"eager": 10.0, "agenda": 10.5})
