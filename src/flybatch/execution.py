@@ -63,24 +63,63 @@ def run(graph: "Graph", plan: Schedule) -> None:
 # ---- planning ----------------------------------------------------------------------------------
 def _plan_reads(graph: "Graph", plan: Schedule) -> tuple[list[Read], list[tuple[list[int], int]]]:
     """Every read of every batch, as data: `reads[k]`, and per batch the read ids of its
-    arguments with, for a variadic op read as one stacked tensor, its arity (else 0)."""
-    reads: list[Read] = []
-    batch_reads: list[tuple[list[int], int]] = []
+    arguments with, for a variadic op read as one stacked tensor, its arity (else 0).
+
+    The columns (one per argument position of each batch) are classified together, with one
+    numpy pass over all of them, because a forward may hold thousands of small batches.
+    """
     ops = graph.ops
+    columns: list[np.ndarray] = []
+    shape_of_batch: list[tuple[int, int]] = []  # (number of columns, stacked arity or 0)
     for nodes in plan.batches:
-        first = int(nodes[0])
-        op = ops[first]
+        op = ops[int(nodes[0])]
         local = nodes - plan.start
         arity = int(plan.arg_ptr[local[0] + 1] - plan.arg_ptr[local[0]])
         if op.leaf or arity == 0:
-            batch_reads.append(([], 0))
+            shape_of_batch.append((0, 0))
             continue
         cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
-        stacked = op.stack_from is not None and arity >= op.stack_from
-        columns = [cols.reshape(-1)] if stacked else [cols[:, j] for j in range(arity)]
-        batch_reads.append(([_plan_read(graph, ids, reads) for ids in columns],
-                            arity if stacked else 0))
+        if op.stack_from is not None and arity >= op.stack_from:
+            columns.append(cols.reshape(-1))
+            shape_of_batch.append((1, arity))
+        else:
+            columns.extend(cols.T)
+            shape_of_batch.append((arity, 0))
+    reads: list[Read] = []
+    planned = iter(_classify(graph, columns, reads))
+    batch_reads = [([next(planned) for _ in range(k)], stacked) for k, stacked in shape_of_batch]
     return reads, batch_reads
+
+
+def _classify(graph: "Graph", columns: list[np.ndarray], reads: list[Read]) -> list[int]:
+    """Plan every column's read; the common kinds are decided for all columns at once."""
+    if not columns:
+        return []
+    lengths = np.fromiter(map(len, columns), np.int64, len(columns))
+    starts = np.zeros(len(columns), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    ids = np.concatenate(columns)
+    src, rows = graph.node_batch[ids], graph.node_row[ids]
+    same_id = np.minimum.reduceat(ids, starts) == np.maximum.reduceat(ids, starts)
+    same_src = np.minimum.reduceat(src, starts) == np.maximum.reduceat(src, starts)
+    step_ok = np.r_[np.diff(rows) == 1, True]
+    step_ok[starts[1:] - 1] = True  # a column's last row has no successor inside the column
+    in_run = np.logical_and.reduceat(step_ok, starts)
+    out = []
+    for k, (n, start, one, single, run) in enumerate(zip(
+            lengths.tolist(), starts.tolist(), same_id.tolist(), same_src.tolist(),
+            in_run.tolist())):
+        if n == 1 or one:
+            reads.append(("view", int(src[start]), int(rows[start]), 1))
+        elif single and run:
+            reads.append(("view", int(src[start]), int(rows[start]), n))
+        elif single:
+            reads.append(("rows", int(src[start]), rows[start:start + n]))
+        else:  # several sources: planned part by part
+            out.append(_plan_read(graph, columns[k], reads))
+            continue
+        out.append(len(reads) - 1)
+    return out
 
 
 def _plan_read(graph: "Graph", ids: np.ndarray, reads: list[Read], broadcast: bool = True) -> int:
