@@ -47,7 +47,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
             size = len(nodes)
             xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
             if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                arg_shape = shapes[graph.args[first][0]]
+                arg_shape = shapes[graph.args_of(first)[0]]
                 xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked, *arg_shape)
             attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
             out = op.kernel(xs, attr, shapes[first])

@@ -159,7 +159,9 @@ class Graph:
         self.dtype = dtype
         # The node store, one entry per node (struct of arrays).
         self.ops: list[Op] = []
-        self.args: list[tuple[int, ...]] = []
+        # Inputs of node v: arg_flat[arg_end[v-1]:arg_end[v]] (flat ints: no tuple kept per node)
+        self.arg_flat: list[int] = []
+        self.arg_end: list[int] = []
         self.shapes: list[Shape] = []
         self.sigs: list[int] = []
         self.depths: list[int] = []  # longest path from a leaf through pending nodes
@@ -206,7 +208,9 @@ class Graph:
         node = len(depths)
         depths.append(depth)
         self.ops.append(op)
-        self.args.append(args)
+        arg_flat = self.arg_flat
+        arg_flat.extend(args)
+        self.arg_end.append(len(arg_flat))
         self.shapes.append(shape)
         self.sigs.append(sig)
         self.attrs.append(attr)
@@ -251,6 +255,10 @@ class Graph:
                                  "their graph (create them in the current graph)")
             raise GraphError(f"{x!r} belongs to another graph; one op cannot mix two graphs")
         return x.id
+
+    def args_of(self, node: int) -> tuple[int, ...]:
+        """The input node ids of `node`."""
+        return tuple(self.arg_flat[self.arg_end[node - 1] if node else 0:self.arg_end[node]])
 
     # ---- evaluation ----------------------------------------------------------------------
     @property

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,11 +58,13 @@ class Schedule:
 def schedule(graph: "Graph", start: int, end: int) -> Schedule:
     """Batch the nodes `start..end-1` of `graph` with the graph's strategy."""
     n = end - start
-    arg_lists = graph.args[start:end]
-    lens = np.fromiter(map(len, arg_lists), np.int64, n)
-    arg_ptr = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=arg_ptr[1:])
-    arg_flat = np.fromiter(chain.from_iterable(arg_lists), np.int64, int(arg_ptr[-1]))
+    first_arg = graph.arg_end[start - 1] if start else 0
+    arg_ptr = np.empty(n + 1, np.int64)
+    arg_ptr[0] = first_arg
+    arg_ptr[1:] = graph.arg_end[start:end]
+    arg_flat = np.array(graph.arg_flat[first_arg:int(arg_ptr[-1])], np.int64)
+    arg_ptr -= first_arg
+    lens = np.diff(arg_ptr)
     plan = Schedule(start, len(graph.values), [], arg_ptr, arg_flat)
     if graph.strategy == "none":
         nodes = np.arange(start, end)

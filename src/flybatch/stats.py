@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from itertools import chain
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -85,10 +84,10 @@ def lower_bound(graph: "Graph", n: int | None = None) -> int:
     n_sigs = int(sig_of.max()) + 1
     # count[v, s]: most nodes of signature s on any path ending at v.
     count = np.zeros((n, n_sigs), np.int32)
-    args = graph.args[:n]
-    lens = np.fromiter(map(len, args), np.int64, n)
+    ends = np.array(graph.arg_end[:n], np.int64)
+    lens = np.diff(ends, prepend=0)
     dst = np.repeat(np.arange(n), lens)
-    src = np.fromiter(chain.from_iterable(args), np.int64, int(lens.sum()))
+    src = np.array(graph.arg_flat[:int(ends[-1])], np.int64)
     edge_level = depths[dst]
     order = np.argsort(edge_level, kind="stable")
     src, dst, edge_level = src[order], dst[order], edge_level[order]
