@@ -254,3 +254,17 @@ def test_agenda_reads_most_rnn_inputs_without_a_copy():
                  for _ in range(16)]).backward()
         stats = g.stats()
     assert stats.gathers_avoided > stats.gathers
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda"])
+def test_lower_bound_counts_each_forward_separately(strategy):
+    """A value request splits the graph: nodes of two forwards can never share a launch."""
+    W = torch.nn.Parameter(torch.eye(3, dtype=torch.float64))
+    with fb.Graph(strategy=strategy, dtype=torch.float64) as g:
+        first = [fb.tanh(W @ fb.input([float(i), 1.0, 0.0])) for i in range(4)]
+        g.forward(first)                         # forward 1: one matmul level, one tanh level
+        second = [fb.tanh(W @ h) for h in first]  # forward 2: the same two signatures again
+        g.forward(second)
+        assert g.stats().lower_bound == 4
+        if strategy != "none":
+            assert g.stats().batches == 4

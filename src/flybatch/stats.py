@@ -3,7 +3,9 @@
 `lower_bound` is the number of launches no schedule can beat (the bound ED-Batch uses): one
 launch runs nodes of one signature, and nodes of the same signature on one dependency path must
 run in different launches, so a signature needs at least as many launches as the most nodes of
-it on any path. Computed by dynamic programming over depth levels, vectorised over signatures.
+it on any path. Value requests split a graph into forwards whose nodes cannot share launches,
+so the bound is summed over the forwards that computed the nodes (pending nodes: one more).
+Computed by dynamic programming over depth levels, vectorised over signatures.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def collect(graph: "Graph") -> Stats:
 
 
 def lower_bound(graph: "Graph", n: int | None = None) -> int:
-    """The lower bound over the first `n` nodes (default: all)."""
+    """The lower bound over the first `n` nodes (default: all), summed over forwards."""
     n = graph.n_nodes if n is None else n
     if n == 0:
         return 0
@@ -88,6 +90,10 @@ def lower_bound(graph: "Graph", n: int | None = None) -> int:
     lens = np.diff(ends, prepend=0)
     dst = np.repeat(np.arange(n), lens)
     src = np.array(graph.arg_flat[:int(ends[-1])], np.int64)
+    # Nodes computed by different forwards can never share a launch (a value was asked for in
+    # between), so the bound is taken per forward: edges into a later forward start afresh.
+    same_forward = segment[src] == segment[dst]
+    src, dst = src[same_forward], dst[same_forward]
     edge_level = depths[dst]
     order = np.argsort(edge_level, kind="stable")
     src, dst, edge_level = src[order], dst[order], edge_level[order]
@@ -100,4 +106,5 @@ def lower_bound(graph: "Graph", n: int | None = None) -> int:
         a, b = np.searchsorted(node_levels, [level, level + 1])
         at = node_order[a:b]
         count[at, dense[at]] += 1
-    return int(count.max(axis=0).sum())
+    starts = np.r_[0, [e for e in graph.forward_ends if e < n]].astype(np.int64)
+    return int(np.maximum.reduceat(count, starts, axis=0).sum())
