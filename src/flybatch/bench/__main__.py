@@ -4,6 +4,8 @@
                                   [--seconds S] [--threads N] [--device D]
     python -m flybatch.bench all --quick          # every task, synthetic data, a few minutes
     python -m flybatch.bench report [--out FILE] [--run-id ID]   # tables + charts again
+    torchrun --nproc-per-node 2 -m flybatch.bench TASK --distributed [...]  # data-parallel
+    python -m flybatch.bench overhead [--sizes 10000 100000 1000000]  # cost per node
 
 TASK: bilstm-synthetic, bilstm, bilstm-char, treelstm, parser, or all. Results are appended
 as JSON lines to --out (default bench-results/results.jsonl); the markdown table (the paper's
@@ -20,7 +22,7 @@ import sys
 # Modes and tasks are spelled out here (not imported) so that the thread variables below are
 # set before torch is imported.
 TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm", "parser")
-MODES = ("eager", "none", "depth", "agenda", "manual",
+MODES = ("eager", "none", "depth", "agenda", "manual", "parser-auto", "parser-seq",
          "dynet-noauto", "dynet-depth", "dynet-agenda")
 
 
@@ -50,18 +52,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="short runs: seconds 1, eval 0.5, at least 1 timed minibatch, the first "
                          "(correctness) minibatch the only warm-up, 256 synthetic instances")
     ap.add_argument("--out", default="bench-results/results.jsonl")
+    ap.add_argument("--distributed", action="store_true",
+                    help="data-parallel over the processes torchrun starts (flybatch."
+                         "distributed): each trains and evaluates its shard of every minibatch, "
+                         "gradients are summed; reports throughput per process and in total; "
+                         "rank 0 prints and writes; DyNet modes are skipped")
     ap.add_argument("--run-id", default=None, help="report: only this run (default the last)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["overhead"]:  # the per-node cost microbenchmark has its own options
+        from flybatch.bench import overhead
+        overhead.main(argv[1:])
+        return 0
     args = parse_args(argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
 
     import torch  # noqa: E402  (after the thread variables)
 
-    from flybatch.bench import report, runner
+    from flybatch.bench import report
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(args.threads)
@@ -72,6 +84,42 @@ def main(argv=None) -> int:
         run_id = args.run_id or (records[-1]["run_id"] if records else None)
         return _report([r for r in records if r.get("run_id") == run_id], out_dir)
 
+    if args.distributed:
+        import flybatch.distributed as fbd
+
+        wanted = torch.device(args.device)
+        ctx = fbd.init(timeout=120, device="cpu" if wanted.type == "cpu" else None)
+        try:
+            if ctx.device.type != wanted.type:
+                print(f"error: --device {args.device} but this process got {ctx.device}",
+                      file=sys.stderr)
+                return 2
+            if args.batch_size < ctx.world_size:
+                print(f"error: --batch-size {args.batch_size} is smaller than the "
+                      f"{ctx.world_size} processes", file=sys.stderr)
+                return 2
+            if ctx.distributed:
+                args.device = str(ctx.device)  # cuda:LOCAL_RANK under NCCL
+            if not ctx.is_main:  # one report: the other ranks keep only their stderr
+                sys.stdout = open(os.devnull, "w")
+            return _bench(args)
+        finally:
+            fbd.shutdown()
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        print("error: started as one of several processes (WORLD_SIZE="
+              f"{os.environ['WORLD_SIZE']}) without --distributed: each would run the whole "
+              "benchmark on its own; add --distributed", file=sys.stderr)
+        return 2
+    return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the tasks of `args` (a world of one, or this rank's part under --distributed)."""
+    import flybatch.distributed as fbd
+    from flybatch.bench import runner
+
+    is_main = fbd.context().is_main  # a world of one without --distributed
+    out_dir = os.path.dirname(args.out) or "."
     quick = args.quick
     s = runner.Settings(
         batch_size=args.batch_size,
@@ -83,7 +131,7 @@ def main(argv=None) -> int:
         eval_warmup=0 if quick else 1,
         threads=args.threads, device=args.device, seed=args.seed,
         n_synthetic=args.n_synthetic if args.n_synthetic is not None else (256 if quick else 2000),
-        data_dir=args.data_dir, out=args.out)
+        data_dir=args.data_dir, out=args.out, distributed=args.distributed)
     if args.run_id:
         s.run_id = args.run_id
     tasks = list(TASKS) if args.task == "all" else [args.task]
@@ -100,7 +148,8 @@ def main(argv=None) -> int:
         except (ImportError, LookupError, NotImplementedError) as e:
             print(f"{task}: not available ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
             failed.append(task)
-    _report(records, out_dir)
+    if is_main:
+        _report(records, out_dir)
     if failed:
         print(f"FAILED tasks: {' '.join(failed)}", file=sys.stderr, flush=True)
         return 1
