@@ -13,9 +13,9 @@ from typing import Any, Iterable
 from flybatch.bench.runner import ALL_MODES
 from flybatch.bench.tasks import TASKS
 
-PHASES = ("build", "schedule", "forward", "backward", "update")
+PHASES = ("build", "schedule", "forward", "backward", "allreduce", "update")
 PHASE_COLORS = {"build": "#4c72b0", "schedule": "#dd8452", "forward": "#55a868",
-                "backward": "#c44e52", "update": "#8172b3"}
+                "backward": "#c44e52", "allreduce": "#937860", "update": "#8172b3"}
 
 
 def load(path: str | Path, run_id: str | None = None) -> list[dict[str, Any]]:
@@ -91,6 +91,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "per minibatch):\n", table(train_cell),
            "**Evaluation** (instances/s, forward only):\n",
            table(lambda r: _fmt_rate(r["eval_per_s"])),
+           *_distributed(cells),
            "**Launches / lower bound; input copies made / avoided** (flybatch modes):\n",
            table(detail_cell),
            "**Peak memory** (MB: peak RSS of the process during the mode, in brackets its growth "
@@ -99,6 +100,26 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "**First-minibatch loss** (the correctness line: equal across modes):\n",
            table(lambda r: f"{r['first_loss']:.6g}")]
     return "\n".join(out)
+
+
+def _distributed(cells) -> list[str]:
+    """The data-parallel lines (`--distributed` runs of more than one process), else none."""
+    rows = [(k, r) for k, r in cells.items() if r.get("world_size", 1) > 1]
+    if not rows:
+        return []
+
+    def each(rates):
+        return " + ".join(_fmt_rate(x) for x in rates)
+
+    lines = ["| task | mode | processes | train per process | train total "
+             "| eval per process | eval total |", "|---|---|---:|---:|---:|---:|---:|"]
+    for (t, m), r in rows:
+        lines.append(f"| {t} | {m} | {r['world_size']} | {each(r['per_process'])} "
+                     f"| {_fmt_rate(r['total'])} | {each(r['eval_per_process'])} "
+                     f"| {_fmt_rate(r['eval_total'])} |")
+    return ["**Distributed** (data-parallel, `--distributed`; instances/s over each "
+            "process's timed loop, and the total: all instances over the slowest process's "
+            "time; the tables above show the totals):\n", "\n".join(lines) + "\n"]
 
 
 def charts(records: Iterable[dict[str, Any]], out_dir: str | Path) -> list[Path]:

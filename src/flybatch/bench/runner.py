@@ -18,6 +18,13 @@ process during the mode, the high-water mark reset per mode; on CUDA the peak al
 DyNet peers run as subprocesses in ``.venv-peers`` with the same initial parameters
 (``--init``, from ``Task.export_spec``). Results go to stdout (a progress bar on stderr) and
 are appended as JSON lines to ``out``.
+
+Data-parallel (``torchrun --nproc-per-node N -m flybatch.bench TASK --distributed``): every
+rank runs the same modes on its shard of every global minibatch, training and evaluation alike,
+with ``flybatch.distributed`` (see :func:`run_mode`); only rank 0 prints and writes results,
+and the DyNet peers are skipped. Every record carries ``world_size``, ``per_process`` and
+``total`` (training instances per wall second of the timed loop, each process's and the job's)
+and the same for evaluation (``eval_per_process``, ``eval_total``).
 """
 
 from __future__ import annotations
@@ -42,11 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from flybatch.bench.tasks import MODES, create
-from flybatch.bench.tasks_data import TaskData, eval_batches, minibatches, prepare
+import flybatch.distributed as fbd
+from flybatch.bench.tasks import EXTRA_MODES, MODES, create, task_class
+from flybatch.bench.tasks.base import StepResult
+from flybatch.bench.tasks_data import (IdTree, TaskData, eval_batches, minibatches, prepare,
+                                       tree_nodes)
 
 PEER_MODES = ("dynet-noauto", "dynet-depth", "dynet-agenda")
-ALL_MODES = MODES + PEER_MODES
+ALL_MODES = MODES + EXTRA_MODES + PEER_MODES
 REPO = Path(__file__).resolve().parents[3]
 PEERS_PYTHON = Path(os.environ.get("FLYBATCH_PEERS_PYTHON", REPO / ".venv-peers/bin/python"))
 LR = 0.001
@@ -71,6 +81,7 @@ class Settings:
     n_synthetic: int = 2000
     data_dir: str | None = None
     out: str = "bench-results/results.jsonl"
+    distributed: bool = False      # --distributed: data-parallel over torchrun's processes
     run_id: str = field(default_factory=lambda: datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     @property
@@ -140,15 +151,15 @@ class Progress:
     """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
 
     def __init__(self, label: str, budget: float, stream=sys.stderr):
-        self.label, self.budget, self.stream = label, budget, stream
-        self.tty = stream.isatty()
+        self.label, self.budget, self.stream = label, budget, stream  # None: quiet
+        self.tty = stream is not None and stream.isatty()
         self.start = time.perf_counter()
         self.last = 0.0
 
     def update(self, done: int, phase: str) -> None:
         now = time.perf_counter()
         elapsed = now - self.start
-        if not self.tty and now - self.last < 5.0:
+        if self.stream is None or (not self.tty and now - self.last < 5.0):
             return
         self.last = now
         frac = min(1.0, elapsed / self.budget) if self.budget > 0 else 1.0
@@ -169,60 +180,112 @@ def _median_phases(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
 
 
+def _cost(instance: Any) -> float:
+    """An instance's work, to balance a minibatch's shards over the ranks (``fbd.shard``):
+    tree nodes for the Tree-LSTM, tokens for the taggers and the parser."""
+    if isinstance(instance, IdTree):
+        return float(sum(1 for _ in tree_nodes(instance)))
+    words = getattr(instance, "words", None)
+    return float(len(words)) if words is not None else 1.0
+
+
+def _shard(batch: list) -> list:
+    """This rank's part of a global minibatch (the whole minibatch in one process)."""
+    return fbd.shard(batch, cost=_cost) if fbd.is_distributed() else batch
+
+
 def run_mode(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str, Any]:
-    """Train and evaluate one mode; returns its result record (no I/O)."""
+    """Train and evaluate one mode; returns its result record (no I/O).
+
+    Under ``torchrun ... --distributed`` (a process group made by ``fbd.init``) every rank
+    draws the same global minibatches, trains on its shard (split by cost: tree nodes or
+    tokens), and ``fbd.step`` sums the gradients over the ranks before the update, so the
+    parameters stay identical on every rank and equal one process's. The first-minibatch loss
+    is summed over the ranks (the whole minibatch's loss), the timed loops stop on every rank
+    at the same step (``fbd.any_rank``), and evaluation is sharded the same way. Throughput is
+    gathered from every rank (``fbd.gather_throughput``): ``per_process`` and ``total`` (all
+    instances over the slowest rank's time). In one process these are local no-ops.
+    """
     device = torch.device(s.device)
+    ctx = fbd.context()
+    distributed = ctx.distributed
     torch.manual_seed(s.seed)
     task = create(task_name, data, device, s.seed)
     opt = Optimizer(task)
+    params = list(task.params.values())
     batches = minibatches(data.train, s.batch_size, s.seed)
-    bar = Progress(f"{task_name} {mode}", s.seconds + s.eval_budget)
+    bar = Progress(f"{task_name} {mode}", s.seconds + s.eval_budget,
+                   stream=sys.stderr if ctx.is_main else None)
     baseline = reset_peak_memory(device)
 
-    first = task.step(mode, next(batches), train=True)
-    opt.step()
-    for _ in range(s.warmup):
-        task.step(mode, next(batches), train=True)
-        opt.step()
-    timed, stats, sizes = [], [], []
-    start = time.perf_counter()
-    while len(timed) < s.min_timed or time.perf_counter() - start < s.seconds:
-        batch = next(batches)
-        r = task.step(mode, batch, train=True)
-        t0 = time.perf_counter()
+    def train_step(batch: list) -> tuple[StepResult, dict[str, float], int]:
+        """This rank's shard: forward + backward, the gradient sum over ranks, the update.
+        Returns the step's result, its extra phases (allreduce, update) and its instances."""
+        mine = _shard(batch)
+        with fbd.step(params):  # failure check + gradient all-reduce; a no-op in one process
+            r = task.step(mode, mine, train=True) if mine else StepResult(0.0)
+            t0 = time.perf_counter()
+        t1 = time.perf_counter()  # all-reduce, including the wait for the slowest rank
         opt.step()
         task.sync()
-        update = time.perf_counter() - t0
-        timed.append({**r.seconds, "update": update, "total": r.wall + update})
-        sizes.append(len(batch))
+        extra = {"allreduce": t1 - t0} if distributed else {}
+        return r, {**extra, "update": time.perf_counter() - t1}, len(mine)
+
+    first, _, _ = train_step(next(batches))
+    first_loss = fbd.sum_scalars([first.loss])[0]  # the whole minibatch's loss
+    for _ in range(s.warmup):
+        train_step(next(batches))
+    timed, stats, sizes = [], [], []
+    start = time.perf_counter()
+    while not fbd.any_rank(len(timed) >= s.min_timed and time.perf_counter() - start >= s.seconds):
+        r, extra, n = train_step(next(batches))
+        timed.append({**r.seconds, **extra, "total": r.wall + sum(extra.values())})
+        sizes.append(n)
         if r.stats is not None:
             stats.append(r.stats)
         bar.update(len(timed), "train")
+    train_wall = time.perf_counter() - start
+
+    def eval_step(batch: list) -> tuple[StepResult, int]:
+        mine = _shard(batch)
+        with fbd.guard():  # a rank failing in evaluation stops every rank
+            r = task.step(mode, mine, train=False) if mine else StepResult(float("nan"))
+        return r, len(mine)
 
     dev = [b for b in eval_batches(data.dev, s.batch_size) if len(b) == s.batch_size] \
         or [list(data.dev)]
     for k in range(s.eval_warmup):
-        task.step(mode, dev[k % len(dev)], train=False)
+        eval_step(dev[k % len(dev)])
     etimes, esizes = [], []
     start = time.perf_counter()
-    while len(etimes) < s.min_timed or time.perf_counter() - start < s.eval_budget:
-        batch = dev[len(etimes) % len(dev)]
-        r = task.step(mode, batch, train=False)
+    while not fbd.any_rank(len(etimes) >= s.min_timed
+                           and time.perf_counter() - start >= s.eval_budget):
+        r, n = eval_step(dev[len(etimes) % len(dev)])
         etimes.append(r.wall)
-        esizes.append(len(batch))
+        esizes.append(n)
         bar.update(len(etimes), "eval")
+    eval_wall = time.perf_counter() - start
     bar.close()
+    train_tp = fbd.gather_throughput(sum(sizes), train_wall)
+    eval_tp = fbd.gather_throughput(sum(esizes), eval_wall)
 
     med = _median_phases(timed)
     total = med.pop("total")
     rec: dict[str, Any] = {
         "task": task_name, "mode": mode,
-        "train_per_s": statistics.median(sizes) / total,
-        "eval_per_s": statistics.median(esizes) / statistics.median(etimes),
-        "first_loss": first.loss,
+        # one process: median instances / median seconds per minibatch; distributed: the job's
+        # instances over the slowest rank's timed span (below)
+        "train_per_s": train_tp.total if distributed else statistics.median(sizes) / total,
+        "eval_per_s": eval_tp.total if distributed else
+        statistics.median(esizes) / statistics.median(etimes),
+        "first_loss": first_loss,
         "seconds_per_minibatch": total,
         "seconds": med,
         "timed_minibatches": len(timed), "timed_eval_minibatches": len(etimes),
+        # instances / wall seconds of the timed loops, per process and for the whole job
+        "world_size": ctx.world_size,
+        "per_process": train_tp.per_process, "total": train_tp.total,
+        "eval_per_process": eval_tp.per_process, "eval_total": eval_tp.total,
         **peak_memory_mb(device, baseline),
     }
     if stats:
@@ -306,13 +369,23 @@ def environment(s: Settings) -> dict[str, Any]:
 def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, Any]]:
     """Every mode of one task; appends each result to ``s.out`` as it is made."""
     data = prepare(task_name, s.data_dir, seed=s.seed, n_synthetic=s.n_synthetic)
+    # The data set is hundreds of thousands of long-lived Python objects; without this every
+    # full collection of Python's cyclic GC rescans them all, in every mode, mid-minibatch.
+    gc.collect()
+    gc.freeze()
     real = s.data_dir is not None and task_name != "bilstm-synthetic"
     meta = {**environment(s), "data": "real" if real else "synthetic",
             "train_size": len(data.train), "dev_size": len(data.dev)}
-    why_no_peers = peers_available() if any(m in PEER_MODES for m in modes) else None
+    why_no_peers = peers_available() \
+        if any(m in PEER_MODES for m in modes) and not s.distributed else None
+    main = fbd.context().is_main  # under --distributed only rank 0 writes results
     records, losses = [], {}
     for mode in modes:
         if mode in PEER_MODES:
+            if s.distributed:
+                print(f"{mode}: skipped (--distributed: the DyNet peer runs in one process)",
+                      flush=True)
+                continue
             if why_no_peers:
                 print(f"{mode}: skipped ({why_no_peers})", flush=True)
                 continue
@@ -324,16 +397,23 @@ def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, An
             except RuntimeError as e:
                 print(f"{task_name} {mode}: FAILED: {e}", flush=True)
                 continue
+        elif mode not in task_class(task_name).modes():  # another task's own mode
+            print(f"{mode}: skipped (not a mode of {task_name}; its modes: "
+                  f"{' '.join(task_class(task_name).modes())})", flush=True)
+            continue
         else:
             rec = run_mode(task_name, mode, data, s)
         rec = {**meta, **rec}
         losses[mode] = rec["first_loss"]
-        _append(s.out, rec)
+        if main:
+            _append(s.out, rec)
+            print(_summary(rec), flush=True)
         records.append(rec)
-        print(_summary(rec), flush=True)
         check_losses(task_name, losses)  # fail loudly, as soon as a mode disagrees
     if losses:
-        print(check_losses(task_name, losses), flush=True)
+        line = check_losses(task_name, losses)
+        if main:
+            print(line, flush=True)
     return records
 
 
@@ -342,6 +422,9 @@ def _summary(r: dict[str, Any]) -> str:
     if "launches" in r:
         extra = (f", {r['launches']:.0f} launches ({r['launches_over_bound']:.2f}x bound), "
                  f"{r['gathers']:.0f} copies ({r['gathers_avoided']:.0f} avoided)")
+    if r.get("world_size", 1) > 1:
+        extra += (f"; {r['world_size']} processes: train "
+                  + " + ".join(f"{x:.1f}" for x in r["per_process"]) + f" = {r['total']:.1f}/s")
     return (f"{r['task']:16s} {r['mode']:13s} train {r['train_per_s']:8.1f}/s  "
             f"eval {r['eval_per_s']:8.1f}/s  loss0 {r['first_loss']:.6g}{extra}")
 
