@@ -1,18 +1,25 @@
 """The `parser` benchmark task: every mode computes the same model on the same Parameters.
 
-Tiny synthetic data (batch 4), so the five modes run in a few seconds on a CPU.
+Tiny synthetic data (batch 4), so the seven modes (the five of every task, plus the parser's
+own `parser-auto` and `parser-seq`) run in a few seconds on a CPU.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
 import flybatch.execution
+from flybatch.bench import __main__ as cli
+from flybatch.bench import runner
 from flybatch.bench.arc_hybrid import oracle_transitions
-from flybatch.bench.tasks import MODES, create, task_class
+from flybatch.bench.tasks import EXTRA_MODES, MODES, TASKS, create, task_class
 from flybatch.bench.tasks.parser import ParserTask
 from flybatch.bench.tasks_data import minibatches, prepare
+
+PARSER_MODES = MODES + ("parser-auto", "parser-seq")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +50,7 @@ def task(data):
 def results(task, batch):
     """Per mode: the first-minibatch loss and the gradients it leaves (dense copies)."""
     out = {}
-    for mode in MODES:
+    for mode in PARSER_MODES:
         for p in task.params.values():
             p.grad = None
         step = task.step(mode, batch, train=True)
@@ -56,6 +63,32 @@ def results(task, batch):
 
 def test_registered():
     assert task_class("parser") is ParserTask
+    assert ParserTask.modes() == PARSER_MODES
+
+
+def test_extra_modes_are_the_parsers_only_and_known_to_the_cli():
+    for name in TASKS:
+        extra = set(task_class(name).TASK_EXTRA_MODES)
+        assert extra <= set(EXTRA_MODES), name
+        assert extra == ({"parser-auto", "parser-seq"} if name == "parser" else set()), name
+    assert cli.MODES == runner.ALL_MODES  # the CLI spells them out; same names, same order
+    assert cli.parse_args(["parser", "--modes", "agenda", "parser-auto"]).modes == \
+        ["agenda", "parser-auto"]
+
+
+def test_other_tasks_skip_the_parser_modes(capsys, tmp_path):
+    s = runner.Settings(seconds=0.0, eval_seconds=0.0, warmup=0, eval_warmup=0, min_timed=1,
+                        n_synthetic=8, out=str(tmp_path / "r.jsonl"))
+    try:
+        assert runner.run_task("treelstm", ["parser-auto", "parser-seq"], s) == []
+    finally:
+        gc.unfreeze()  # run_task freezes the objects alive after loading the data
+    out = capsys.readouterr().out
+    assert "parser-auto: skipped (not a mode of treelstm" in out
+    assert "parser-seq: skipped (not a mode of treelstm" in out
+    with pytest.raises(ValueError, match="unknown mode"):
+        create("treelstm", prepare("treelstm", None, seed=0, n_synthetic=4)).step(
+            "parser-auto", [], train=True)
 
 
 def test_parameters_have_the_spec_names_and_shapes(task, data):
@@ -94,7 +127,8 @@ def test_embeddings_get_sparse_gradients_of_the_rows_used(results, batch, data):
 
 
 def test_all_modes_predict_the_same_heads(task, batch):
-    predictions = {mode: task.step(mode, batch, train=False).predictions for mode in MODES}
+    predictions = {mode: task.step(mode, batch, train=False).predictions
+                   for mode in PARSER_MODES}
     for inst, heads in zip(batch, predictions["eager"]):
         assert len(heads) == len(inst.heads) and -1 not in heads  # a complete tree
     for mode, heads in predictions.items():
@@ -107,7 +141,7 @@ def test_flybatch_runs_one_forward_per_lockstep_step(task, batch, monkeypatch, t
     run = flybatch.execution.run
     monkeypatch.setattr(flybatch.execution, "run",
                         lambda graph, plan: forwards.append(len(plan)) or run(graph, plan))
-    step = task.step("agenda", batch, train=train)
+    task.step("agenda", batch, train=train)
     # Arc-hybrid takes 2n transitions for n words; the parsers move in lockstep, so there are
     # as many steps as the longest sentence needs. Training adds one forward: the final loss.
     steps = max(len(oracle_transitions(inst.heads)) for inst in batch)
@@ -119,11 +153,41 @@ def test_flybatch_runs_one_forward_per_lockstep_step(task, batch, monkeypatch, t
     assert max(forwards[1:]) <= 9 if train else max(forwards[1:]) == 4
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_parser_auto_forwards_as_lockstep_and_parser_seq_once_per_request(task, batch,
+                                                                         monkeypatch, train):
+    """The per-sentence parser: map_batched batches its value requests across sentences."""
+    forwards = []
+    run = flybatch.execution.run
+    monkeypatch.setattr(flybatch.execution, "run",
+                        lambda graph, plan: forwards.append(len(plan)) or run(graph, plan))
+    requests = [2 * len(inst.heads) for inst in batch]  # one per transition; sentences differ
+    assert len(set(requests)) > 1
+    final = 1 if train else 0  # the minibatch loss, after every sentence finished
+    task.step("parser-auto", batch, train=train)
+    assert len(forwards) == max(requests) + final
+    assert max(forwards[1:]) <= 9 if train else max(forwards[1:]) == 4  # as lockstep agenda
+    forwards.clear()
+    task.step("parser-seq", batch, train=train)
+    assert len(forwards) == sum(requests) + final
+
+
+def test_parser_modes_share_one_per_sentence_function(task, batch, monkeypatch):
+    calls = []
+    parse = ParserTask.parse_sentence
+    monkeypatch.setattr(ParserTask, "parse_sentence",
+                        lambda self, inst, train: calls.append(inst) or parse(self, inst, train))
+    for mode in ("parser-auto", "parser-seq"):
+        calls.clear()
+        task.step(mode, batch, train=True)
+        assert calls == batch, mode
+
+
 def test_loaded_spec_reaches_every_mode(task, data, batch, results):
     """`load_spec` writes in place, so the nn.LSTM of eager/manual sees the loaded weights too."""
     other = create("parser", data, seed=1)
     assert other.step("manual", batch, train=True).loss != pytest.approx(results["eager"][0])
     other.load_spec(task.export_spec())
-    for mode in ("eager", "manual", "agenda"):
+    for mode in ("eager", "manual", "agenda", "parser-auto"):
         loss = other.step(mode, batch, train=True).loss
         assert loss == pytest.approx(results["eager"][0], rel=1e-5), mode

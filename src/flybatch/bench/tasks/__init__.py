@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from flybatch.bench.tasks.base import FLYBATCH_MODES, MODES, StepResult, Task
+from flybatch.bench.tasks.base import EXTRA_MODES, FLYBATCH_MODES, MODES, StepResult, Task
 from flybatch.bench.tasks_data import TaskData
 
 MODULES = {
@@ -23,7 +23,8 @@ MODULES = {
 }
 TASKS = tuple(MODULES)
 
-__all__ = ["FLYBATCH_MODES", "MODES", "StepResult", "TASKS", "Task", "create", "task_class"]
+__all__ = ["EXTRA_MODES", "FLYBATCH_MODES", "MODES", "StepResult", "TASKS", "Task", "create",
+           "task_class"]
 
 
 def task_class(name: str) -> type[Task]:

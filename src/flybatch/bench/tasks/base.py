@@ -22,6 +22,14 @@ on a minibatch: the forward, and the backward when ``train`` (gradients accumula
 ``p.grad``; the optimizer update is the runner's job), and times it. A task whose modes do not
 fit this template (e.g. incremental forwards with its own timing) may override ``step``.
 
+A task may offer flybatch modes of its own: its ``TASK_EXTRA_MODES`` maps each to the strategy
+of the graph it runs on, ``forward_mode(mode, batch, train)`` computes it (returning what
+``forward_flybatch`` returns) and ``step`` times it like the flybatch modes. Every such mode is
+also listed in this module's ``EXTRA_MODES`` (the CLI's choices and the reports' column order);
+the runner skips it for the tasks that do not offer it. E.g. the parser's ``parser-auto``
+(per-sentence code under ``fb.map_batched``) and ``parser-seq`` (the same code, one sentence
+after the other).
+
 Embedding tables are registered with ``sparse=True``: every mode must read them with sparse
 gradients (``fb.lookup(E, i, sparse=True)``, ``F.embedding(..., sparse=True)``), because the
 runner updates them with ``torch.optim.SparseAdam`` (only the rows used), as DyNet does.
@@ -42,8 +50,10 @@ import torch
 import flybatch as fb
 from flybatch.bench.tasks_data import TaskData
 
-MODES = ("eager", "none", "depth", "agenda", "manual")
+MODES = ("eager", "none", "depth", "agenda", "manual")  # every task implements these
 FLYBATCH_MODES = ("none", "depth", "agenda")
+# Modes that only some tasks implement (``Task.TASK_EXTRA_MODES``), in report order.
+EXTRA_MODES = ("parser-auto", "parser-seq")
 
 
 @dataclass
@@ -75,6 +85,13 @@ class Task:
     """Base class of the benchmark tasks; see the module docstring for the contract."""
 
     name: ClassVar[str] = ""
+    # This task's own modes (a subset of EXTRA_MODES) -> the strategy of their flybatch graph.
+    TASK_EXTRA_MODES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def modes(cls) -> tuple[str, ...]:
+        """Every mode this task runs: MODES, then its own extra modes."""
+        return MODES + tuple(cls.TASK_EXTRA_MODES)
 
     def __init__(self, data: TaskData, device: str | torch.device = "cpu", seed: int = 0):
         self.data = data
@@ -177,6 +194,10 @@ class Task:
     def forward_manual(self, batch: list, train: bool) -> Any:
         raise NotImplementedError
 
+    def forward_mode(self, mode: str, batch: list, train: bool) -> Any:
+        """One of this task's ``TASK_EXTRA_MODES``, inside the graph ``step`` opened for it."""
+        raise NotImplementedError
+
     # ---- one minibatch ----------------------------------------------------------------------
     def sync(self) -> None:
         """Wait for the device, so that wall-clock phases are honest on CUDA."""
@@ -185,13 +206,16 @@ class Task:
 
     def step(self, mode: str, batch: list, train: bool) -> StepResult:
         """Forward (+ backward when ``train``) of ``batch`` in ``mode``; no optimizer update."""
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        extra = self.TASK_EXTRA_MODES.get(mode)
+        if mode not in MODES and extra is None:
+            raise ValueError(f"unknown mode {mode!r} for task {self.name!r}; expected one of "
+                             f"{self.modes()}")
         grad = nullcontext() if train else torch.no_grad()
         t0 = time.perf_counter()
-        if mode in FLYBATCH_MODES:
-            with fb.Graph(strategy=mode, device=self.device) as g, grad:
-                out = self.forward_flybatch(batch, train)
+        if mode in FLYBATCH_MODES or extra is not None:
+            with fb.Graph(strategy=extra or mode, device=self.device) as g, grad:
+                out = self.forward_flybatch(batch, train) if extra is None else \
+                    self.forward_mode(mode, batch, train)
                 if train:
                     loss = out.item()
                     out.backward()

@@ -23,6 +23,17 @@ are computed together, read back, and only then do the parsers move. Per mode:
 - manual:  hand batched: one packed nn.LSTM call for the 64 sentences, then per step one
            `index_select` of the feature vectors and one batched MLP over every unfinished parser.
 
+Two more modes (this task's own, issue 4) run the parser as written for ONE sentence
+(`parse_sentence`: encode, then `while not config.done(): scores = ...; scores.value()...`),
+with no lockstep by hand, on an agenda graph:
+
+- parser-auto: `fb.map_batched(parse_sentence, batch)`: each sentence runs in its own greenlet
+           and waits at its value request; when all wait, ONE forward serves them all, so there
+           are as many forwards as in the lockstep modes (the longest sentence's 2n, +1 final).
+- parser-seq:  the same function called for one sentence after the other: every value request
+           forces its own forward (sum over sentences of 2n, +1 final); the baseline that
+           parser-auto must beat.
+
 All modes read the same Parameters (`Task.torch_lstm` hands the fb.nn.LSTM's tensors to an
 nn.LSTM), so they compute the same minibatch loss up to float32 rounding. The minibatch loss is
 the sum of every step loss of every sentence (a sentence's loss is the sum of its step losses;
@@ -84,6 +95,7 @@ def best_legal(config: Config, scores: Sequence[float]) -> int:
 
 class ParserTask(Task):
     name = "parser"
+    TASK_EXTRA_MODES = {"parser-auto": "agenda", "parser-seq": "agenda"}
 
     def __init__(self, data: TaskData, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__(data, device, seed)
@@ -178,11 +190,54 @@ class ParserTask(Task):
             active = [p for p in active if not p[1].done()]
         if not train:
             return [config.heads for _, config, _ in parsers]
+        return self._minibatch_loss_flybatch(losses)
+
+    def _minibatch_loss_flybatch(self, losses: list[fb.Expression]) -> fb.Expression:
         if not losses:  # as `_zero_loss`: zero, but backward() still works
             return fb.mul(fb.sum_elems(self.m_o), 0.0)
         # One sum over every step loss; Task.step's `.item()` runs it in one last forward,
         # together with the last step's hinge losses.
         return fb.esum(losses)
+
+    # ---- parser-auto / parser-seq: the parser written for ONE sentence ------------------------
+    def parse_sentence(self, inst: Parse, train: bool) -> list[fb.Expression] | list[int]:
+        """Parse one sentence, as plain single-sentence flybatch code.
+
+        Every transition asks for the VALUES of its scores (`scores.value()`) before it can
+        choose the next one. Returns the step losses (train; their sum is the sentence loss) or
+        the predicted heads. Called directly, each value request forwards the graph on its own;
+        under `fb.map_batched` it waits until every other sentence asks too.
+        """
+        vectors = self._encode_flybatch(inst)
+        config = Config(len(inst.heads))
+        losses = []
+        while not config.done():
+            scores = self._scores_flybatch(vectors, config)
+            values = scores.value().tolist()  # the decision needs the values: a value request
+            if train:
+                gold, wrong = gold_and_wrong(config, inst.heads, values)
+                if wrong is not None:
+                    losses.append(fb.relu(1.0 - scores[gold] + scores[wrong]))
+                config.apply(gold)
+            else:
+                config.apply(best_legal(config, values))
+        return losses if train else config.heads
+
+    def forward_mode(self, mode: str, batch: list[Parse], train: bool):
+        def parse(inst: Parse):
+            return self.parse_sentence(inst, train)
+
+        if mode == "parser-auto":
+            results = fb.map_batched(parse, batch)
+        elif mode == "parser-seq":
+            results = [parse(inst) for inst in batch]
+        else:
+            raise ValueError(f"unknown parser mode {mode!r}")
+        if not train:
+            return results
+        # The step losses of all sentences in one sum, as in the lockstep modes (one esum node;
+        # a sum per sentence first would add one launch per distinct sentence arity).
+        return self._minibatch_loss_flybatch([loss for losses in results for loss in losses])
 
     # ---- manual: hand-batched lockstep --------------------------------------------------------
     def _encode_manual(self, batch: list[Parse]) -> tuple[torch.Tensor, int, int]:
