@@ -46,10 +46,14 @@ def run(graph: "Graph", plan: Schedule) -> None:
         else:
             size = len(nodes)
             xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
-            if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                arg_shape = shapes[graph.args_of(first)[0]]
-                xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked, *arg_shape)
-            attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
+            if op.ragged:
+                attr = stacked  # each node's number of arguments
+            else:
+                if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
+                    arg_shape = shapes[graph.args_of(first)[0]]
+                    xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked,
+                                                                             *arg_shape)
+                attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
             out = op.kernel(xs, attr, shapes[first])
             if out.shape[0] != size:
                 out = out.expand(size, *out.shape[1:])
@@ -61,22 +65,30 @@ def run(graph: "Graph", plan: Schedule) -> None:
 
 
 # ---- planning ----------------------------------------------------------------------------------
-def _plan_reads(graph: "Graph", plan: Schedule) -> tuple[list[Read], list[tuple[list[int], int]]]:
+def _plan_reads(graph: "Graph", plan: Schedule
+                ) -> tuple[list[Read], list[tuple[list[int], int | np.ndarray]]]:
     """Every read of every batch, as data: `reads[k]`, and per batch the read ids of its
-    arguments with, for a variadic op read as one stacked tensor, its arity (else 0).
+    arguments with, for a variadic op read as one stacked tensor, its arity (else 0; for a
+    ragged op, the array of each node's arity).
 
     The columns (one per argument position of each batch) are classified together, with one
     numpy pass over all of them, because a forward may hold thousands of small batches.
     """
     ops = graph.ops
     columns: list[np.ndarray] = []
-    shape_of_batch: list[tuple[int, int]] = []  # (number of columns, stacked arity or 0)
+    shape_of_batch: list[tuple[int, int | np.ndarray]] = []  # (columns, stacked arity or arities)
     for nodes in plan.batches:
         op = ops[int(nodes[0])]
         local = nodes - plan.start
         arity = int(plan.arg_ptr[local[0] + 1] - plan.arg_ptr[local[0]])
         if op.leaf or arity == 0:
             shape_of_batch.append((0, 0))
+            continue
+        if op.ragged:  # every argument of every node, flat, and each node's arity
+            begin, counts = plan.arg_ptr[local], plan.arg_ptr[local + 1] - plan.arg_ptr[local]
+            offsets = np.repeat(begin - np.cumsum(counts) + counts, counts)
+            columns.append(plan.arg_flat[offsets + np.arange(int(counts.sum()))])
+            shape_of_batch.append((1, counts))
             continue
         cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
         if op.stack_from is not None and arity >= op.stack_from:

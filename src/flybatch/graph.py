@@ -41,6 +41,7 @@ class Op:
     leaf: bool = False
     per_node_attrs: bool = False
     stack_from: int | None = None
+    ragged: bool = False  # variadic, any arity in one batch: ONE flat argument, attr = arities
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
 
     def __repr__(self) -> str:

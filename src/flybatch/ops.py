@@ -259,9 +259,33 @@ def _list_kernel(stacked: Callable, positional: Callable):
     return kernel
 
 
-ESUM = Op("esum", _list_kernel(lambda x: x.sum(1), lambda xs: sum(xs[1:], xs[0])), stack_from=3)
-AVERAGE = Op("average", _list_kernel(lambda x: x.mean(1),
-                                     lambda xs: sum(xs[1:], xs[0]) / len(xs)), stack_from=3)
+def _segments(x: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The flat `[sum of arities, ...]` argument of a ragged batch, and the row of each element
+    (None when every node has the same arity: then `x` is reshaped to `[B, k, ...]`)."""
+    total = int(lengths.sum())
+    x = x.expand(total, *x.shape[1:])  # one shared node read once for all
+    if (lengths == lengths[0]).all():
+        return x.reshape(len(lengths), int(lengths[0]), *x.shape[1:]), None
+    rows = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(x.device)
+    return x, rows
+
+
+def _esum_kernel(xs, lengths, shape):
+    x, rows = _segments(xs[0], lengths)
+    if rows is None:
+        return x.sum(1)
+    return x.new_zeros(len(lengths), *shape).index_add_(0, rows, x)
+
+
+def _average_kernel(xs, lengths, shape):
+    count = torch.as_tensor(lengths, dtype=xs[0].dtype, device=xs[0].device)
+    return _esum_kernel(xs, lengths, shape) / count.reshape(-1, *([1] * len(shape)))
+
+
+# Sums and averages of lists batch whatever their lengths: one flat gather of every argument
+# and a segment sum, so that e.g. per-sentence sums of token losses form ONE batch.
+ESUM = Op("esum", _esum_kernel, ragged=True)
+AVERAGE = Op("average", _average_kernel, ragged=True)
 EMAX = Op("emax", _list_kernel(lambda x: x.max(1).values,
                                lambda xs: torch.stack(xs, 1).max(1).values), stack_from=3)
 
@@ -276,7 +300,7 @@ def _same_shape_list(name: str, op: Op, xs: Sequence[Operand]) -> Expression:
         if g.shapes[n] != shape:
             raise ShapeError(f"{name}: all shapes must be equal, got "
                              f"{sorted({g.shapes[m] for m in nodes})}")
-    return g.add(op, nodes, shape, (name, shape, len(nodes)))
+    return g.add(op, nodes, shape, (name, shape) if op.ragged else (name, shape, len(nodes)))
 
 
 def esum(xs: Sequence[Operand]) -> Expression:
