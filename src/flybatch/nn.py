@@ -2,8 +2,9 @@
 
 They own ordinary torch Parameters, so `state_dict`, optimizers and checkpoints work unchanged.
 A recurrent cell application is ONE fused node whose batched kernel computes the whole cell
-(sharing the cell's parameters in its signature), plus two zero-copy slices for its (h, c)
-outputs: graph size is what the user pays for in Python, so a cell must not cost 15 nodes.
+(sharing the cell's parameters in its signature); its `State` is that node's `[h; c]`, sliced
+only where the model reads `h` or `c` (an LSTM step adds its input projection: two nodes).
+Graph size is what the user pays for in Python, so a cell must not cost 15 nodes.
 Module calls skip `torch.nn.Module.__call__`'s hook machinery (`__call__ = forward`) because
 they only build graph nodes, and they are called once per instance per step.
 """
@@ -21,7 +22,6 @@ from .errors import ShapeError
 from .graph import Expression, Op
 from .ops import Operand
 
-State = tuple[Expression, Expression]  # (h, c)
 
 
 def _uniform(module: nn.Module, hidden_size: int) -> None:
@@ -62,13 +62,60 @@ class FusedModule(nn.Module):
         return g.add(op, args, shape, (op.name, id(self), shapes, attr), attr)
 
 
-def _split_state(out: Expression, hidden: int) -> State:
-    """(h, c) from a cell's `[h; c]`: two slice nodes, built directly (no checks needed)."""
-    g, n = out.graph, out.id
-    whole = (2 * hidden,)
-    return (g.add(ops.SLICE, (n,), (hidden,), ("slice", whole, 0, hidden), (0, hidden)),
-            g.add(ops.SLICE, (n,), (hidden,), ("slice", whole, hidden, 2 * hidden),
-                  (hidden, 2 * hidden)))
+class State:
+    """A recurrent cell's state `(h, c)`, held as ONE node `[h; c]`.
+
+    It unpacks like a tuple (`h, c = state`, `state[0]`), but the slices for h and c become
+    nodes only when asked for: a cell given a State reads `[h; c]` directly, so the recurrence
+    itself costs no slice nodes (an RNN step is two nodes, a Tree-LSTM node one, plus the `h`
+    the model reads).
+    """
+
+    __slots__ = ("hc", "hidden", "_h", "_c")
+
+    def __init__(self, hc: Expression, hidden: int):
+        self.hc, self.hidden = hc, hidden
+        self._h = self._c = None
+
+    @property
+    def h(self) -> Expression:
+        if self._h is None:
+            self._h = self._slice(0)
+        return self._h
+
+    @property
+    def c(self) -> Expression:
+        if self._c is None:
+            self._c = self._slice(self.hidden)
+        return self._c
+
+    def _slice(self, start: int) -> Expression:
+        g, H = self.hc.graph, self.hidden  # built directly: the shapes are known to fit
+        return g.add(ops.SLICE, (self.hc.id,), (H,), ("slice", (2 * H,), start, start + H),
+                     (start, start + H))
+
+    def __iter__(self):
+        return iter((self.h, self.c))
+
+    def __getitem__(self, i: int) -> Expression:
+        return (self.h, self.c)[i]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"State({self.hc!r})"
+
+
+def _combined(state: "State | tuple[Operand, Operand]") -> Operand:
+    """`[h; c]` of a state: a State's own node, or one concat for a user-made (h, c) pair."""
+    return state.hc if isinstance(state, State) else ops.concat(list(state))
+
+
+def _split(hc: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """h and c from a batch of `[h; c]` (split: its backward is one concatenation)."""
+    h, c = hc.split(hidden, 1)
+    return h, c
 
 
 class Linear(nn.Module):
@@ -122,7 +169,8 @@ class MLP(nn.Module):
 
 # ---- LSTM ----------------------------------------------------------------------------------------
 def _lstm_kernel(xs, attr, shape):
-    projected, h, c, w_hh = xs
+    projected, hc, w_hh = xs
+    h, c = _split(hc, shape[0] // 2)
     gates = projected + h @ w_hh.squeeze(0).T
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -149,14 +197,12 @@ class LSTMCell(FusedModule):
         _uniform(self, hidden_size)
 
     def forward(self, x: Operand, state: State | None = None) -> State:
-        if state is None:
-            zero = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
-            state = (zero, zero)
         H = self.hidden_size
+        hc = (ops.zeros(2 * H, graph=ops.graph_of(x)) if state is None else _combined(state))
         projected = ops.affine(self.weight_ih, x, self.bias)
-        out = self._fused(LSTM_CELL, (projected, *state), ((4 * H,), (H,), (H,)),
-                          ("weight_hh",), (2 * H,))
-        return _split_state(out, H)
+        out = self._fused(LSTM_CELL, (projected, hc), ((4 * H,), (2 * H,)), ("weight_hh",),
+                          (2 * H,))
+        return State(out, H)
 
     __call__ = forward
 
@@ -186,7 +232,7 @@ class LSTM(nn.Module):
         state, out = None, []
         for x in xs:
             state = cell(x, state)
-            out.append(state[0])
+            out.append(state.h)
         return out
 
     def forward(self, xs: Sequence[Operand]) -> list[Expression]:
@@ -257,10 +303,10 @@ def _tree_leaf_kernel(xs, attr, shape):
 
 def _nary_kernel(xs, attr, shape):
     n, has_x = attr
-    hs, cs = xs[:n], xs[n:2 * n]
-    x = xs[2 * n] if has_x else None
-    u_iou, u_f, b_iou, b_f = xs[2 * n + has_x:2 * n + has_x + 4]
-    size = max(t.shape[0] for t in xs[:2 * n])
+    hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in xs[:n]])
+    x = xs[n] if has_x else None
+    u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
+    size = max(t.shape[0] for t in xs[:n])
     children = torch.cat([h.expand(size, -1) for h in hs], 1)
     iou = torch.addmm(b_iou.squeeze(0), children, u_iou.squeeze(0).T)
     if has_x:
@@ -273,8 +319,8 @@ def _nary_kernel(xs, attr, shape):
 
 def _child_sum_kernel(xs, attr, shape):
     n = attr
-    hs, cs = xs[:n], xs[n:2 * n]
-    x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[2 * n:]
+    hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in xs[:n]]) if n else ((), ())
+    x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[n:]
     iou = torch.addmm(b_iou.squeeze(0), x, w_iou.squeeze(0).T)
     if n == 0:
         return _finish(iou, None)
@@ -322,12 +368,12 @@ class TreeLSTMCell(FusedModule):
         x_shape = (self.W_iou.shape[1],)
         out = self._fused(TREE_LEAF, (x,), (x_shape,), ("W_iou", "b_iou"),
                           (2 * self.hidden_size,))
-        return _split_state(out, self.hidden_size)
+        return State(out, self.hidden_size)
 
     def forward(self, children: Sequence[State], x: Operand | None = None) -> State:
         H = self.hidden_size
-        inputs = [h for h, _ in children] + [c for _, c in children]
-        expect = ((H,),) * len(inputs)
+        inputs = [_combined(child) for child in children]
+        expect = ((2 * H,),) * len(inputs)
         if x is not None:
             inputs.append(x)
             expect += ((self.W_iou.shape[1],),)
@@ -343,6 +389,6 @@ class TreeLSTMCell(FusedModule):
             params = ("U_iou", "U_f", "b_iou", "b_f") + (("W_iou",) if x is not None else ())
             out = self._fused(TREE_NARY, inputs, expect, params, (2 * H,),
                               (self.arity, x is not None))
-        return _split_state(out, H)
+        return State(out, H)
 
     __call__ = forward
