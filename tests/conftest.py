@@ -7,6 +7,8 @@ torch's lazy initialisation on a slow machine.
 
 from __future__ import annotations
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -19,3 +21,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("flybatch")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny kernels: extra intra-op threads only add contention on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

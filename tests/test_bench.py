@@ -14,12 +14,7 @@ OWN_TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm")
 BATCH = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ from flybatch.bench.tasks_data import minibatches, prepare
 PARSER_MODES = MODES + ("parser-auto", "parser-seq")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny kernels: extra intra-op threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
