@@ -21,10 +21,6 @@ def intern(key: tuple) -> int:
     return sig
 
 
-def key_of(sig: int) -> tuple:
-    return _keys[sig]
-
-
 def parameter_tag(tensor: object) -> tuple[str, int]:
     """How a signature key names a shared parameter: by the tensor's identity, which (unlike
     its node id) is the same in every graph, so the table of signatures does not grow with
