@@ -177,7 +177,7 @@ def test_equality_is_identity_so_expressions_are_dict_keys():
 
 
 def test_shape_and_op_are_known_before_any_forward():
-    with fb.Graph():
+    with fb.Graph(dtype=W.dtype):
         x = fb.concat([fb.input(np.zeros(3)), fb.zeros(2)])
         assert x.shape == (5,) and x.op == "concat"
         assert (W @ fb.input([1.0, 2.0, 3.0])).shape == (2,)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,15 +181,16 @@ def test_mixing_two_open_graphs_raises_graph_error():
 # ---- failing forwards ----------------------------------------------------------------------------
 def _graph_with_a_failing_node():
     """A float32 graph with some good nodes already forwarded, then a chain whose last node
-    multiplies by a float64 parameter: its kernel fails after other batches of the same forward
-    already ran."""
+    multiplies by a parameter that became float64 after the node was created (creation checks
+    the dtype): its kernel fails after other batches of the same forward already ran."""
     g = fb.Graph(strategy="agenda")
     g.__enter__()
     good = fb.tanh(fb.input([0.5, -0.5, 1.0]))
     good.value()
-    bad_w = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float64))
+    bad_w = torch.nn.Parameter(torch.randn(2, 3))
     pending = fb.sigmoid(fb.tanh(good) * 3)
     bad = bad_w @ pending
+    bad_w.data = bad_w.data.double()
     return g, good, pending, bad, bad_w
 
 
@@ -238,6 +240,23 @@ def test_after_a_failing_forward_is_fixed_the_graph_computes_one_shot_values():
 
 
 # ---- other misuse --------------------------------------------------------------------------------
+def test_a_parameter_of_another_dtype_raises_type_error_at_the_call():
+    with fb.Graph():  # float32
+        with pytest.raises(TypeError, match="float64"):
+            torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)) @ fb.input([1.0, 2.0])
+
+
+def test_a_float_or_bool_index_raises_type_error_at_the_call():
+    table = torch.nn.Parameter(torch.ones(4, 2))
+    with fb.Graph():
+        with pytest.raises(TypeError, match="lookup"):
+            fb.lookup(table, 1.7)
+        with pytest.raises(TypeError, match="pick"):
+            fb.pick(fb.input([1.0, 2.0]), True)
+        assert fb.lookup(table, np.int64(3)).shape == (2,)
+        assert fb.pick(fb.input([1.0, 2.0]), torch.tensor(1)).shape == ()
+
+
 def test_backward_of_a_non_scalar_raises_value_error():
     with fb.Graph():
         with pytest.raises(ValueError, match="scalar"):

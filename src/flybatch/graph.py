@@ -222,12 +222,25 @@ class Graph:
         key = ("parameter", id(tensor))
         node = self._leaf_nodes.get(key)
         if node is None:
-            if self.device is None:
-                self.device = tensor.device
+            self.check_tensor("parameter", tensor)
             node = len(self.ops)
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
         return node
+
+    def check_tensor(self, op: str, tensor: torch.Tensor) -> None:
+        """A parameter or table must match the graph's dtype and device (the first one fixes
+        the device when the graph was given none): mixing them would fail only later, inside
+        a batched kernel."""
+        if tensor.is_floating_point() and tensor.dtype != self.dtype:
+            raise TypeError(f"{op}: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} in a "
+                            f"{self.dtype} graph; pass dtype={tensor.dtype} to fb.Graph or "
+                            f"convert the tensor")
+        if self.device is None:
+            self.device = tensor.device
+        elif tensor.device != self.device:
+            raise ValueError(f"{op}: a tensor of shape {tuple(tensor.shape)} on {tensor.device} "
+                             f"in a graph that runs on {self.device}")
 
     def constant_node(self, kind: str, shape: Shape, value: float = 0.0) -> int:
         """An interned constant (zeros, ones or a scalar): one node however often it is used."""

@@ -129,11 +129,10 @@ def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | 
     g = graph or current_graph()
     if table.dim() != 2:
         raise ShapeError(f"lookup: the table must be a matrix, got shape {tuple(table.shape)}")
-    i = int(index)
+    i = _integer("lookup", index)
     if not 0 <= i < table.shape[0]:
         raise IndexError(f"lookup: index {i} out of range for a table of {table.shape[0]} rows")
-    if g.device is None:
-        g.device = table.device
+    g.check_tensor("lookup", table)
     shape = (table.shape[1],)
     return g.add(LOOKUP, (), shape, ("lookup", parameter_tag(table), sparse, shape), (table, i, sparse))
 
@@ -414,10 +413,20 @@ PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True)
 PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True)
 
 
+def _integer(name: str, index: Any) -> int:
+    """An index as an int; a float or bool index is a bug at the caller, not a row number."""
+    if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_floating_point() \
+            and index.dtype != torch.bool:
+        return int(index)
+    if isinstance(index, (numbers.Integral, np.integer)) and not isinstance(index, (bool, np.bool_)):
+        return int(index)
+    raise TypeError(f"{name}: the index must be an integer, got {index!r}")
+
+
 def _checked_index(name: str, shape: Shape, i: int) -> int:
     if len(shape) == 0:
         raise ShapeError(f"{name}: cannot index a scalar")
-    i = int(i)
+    i = _integer(name, i)
     if not -shape[0] <= i < shape[0]:
         raise IndexError(f"{name}: index {i} out of range for shape {shape}")
     return i % shape[0]
