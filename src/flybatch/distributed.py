@@ -169,6 +169,13 @@ def shutdown() -> None:
     global _ctx
     ctx, _ctx = _ctx, None
     if ctx is not None and ctx.owns_group and dist.is_initialized():
+        # Leave together: a rank that tears its connections down while a peer still talks to
+        # it makes gloo abort that peer. The barrier is bounded by the group's timeout, and
+        # after a failure (a dead peer) it simply fails.
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
         dist.destroy_process_group()
 
 
