@@ -168,6 +168,7 @@ class Graph:
         self.depths: list[int] = []  # longest path from a leaf through pending nodes
         self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
+        self.parameter_tags: dict[int, tuple] = {}  # parameter node -> its signature tag
         # Execution state: node -> (batch, row) of `values`, filled by the scheduler.
         self.n_done = 0
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
@@ -226,6 +227,7 @@ class Graph:
             node = len(self.ops)
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
+            self.parameter_tags[node] = signatures.parameter_tag(tensor)
         return node
 
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ShapeError
-from .graph import PARAMETER, Expression, Graph, Op, Shape, current_graph
+from .graph import Expression, Graph, Op, Shape, current_graph
 from .signatures import parameter_tag
 
 Operand = Any  # an Expression, a torch.Tensor, an ndarray or a Python number
@@ -72,9 +72,16 @@ def binary_operands(a: Operand, b: Operand) -> tuple[Graph, int, int]:
     return g, node(g, a), node(g, b)
 
 
+def list_operands(xs: Sequence[Operand]) -> tuple[Graph, tuple[int, ...]]:
+    """(graph, node ids) of a list of operands; expressions of the graph without calls."""
+    g = graph_of(*xs)
+    return g, tuple([x.id if type(x) is Expression and x.graph is g else node(g, x)
+                     for x in xs])
+
+
 def _param_tag(g: Graph, n: int) -> tuple[str, int] | None:
     """The signature tag of node `n` when it is a parameter: ops sharing it batch as one product."""
-    return parameter_tag(g.attrs[n]) if g.ops[n] is PARAMETER else None
+    return g.parameter_tags.get(n)
 
 
 # ---- leaves ------------------------------------------------------------------------------
@@ -239,8 +246,7 @@ AFFINE = Op("affine", _affine_kernel)
 
 def affine(W: Operand, x: Operand, b: Operand) -> Expression:
     """`W @ x + b` as one node (one `addmm` per batch)."""
-    g = graph_of(x, W, b)
-    nw, nx, nb = node(g, W), node(g, x), node(g, b)
+    g, (nw, nx, nb) = list_operands((W, x, b))
     sw, sx, sb = g.shapes[nw], g.shapes[nx], g.shapes[nb]
     if len(sw) != 2 or sx != (sw[1],) or sb != (sw[0],):
         raise ShapeError(f"affine: W {sw} @ x {sx} + b {sb} do not fit")
@@ -292,11 +298,11 @@ EMAX = Op("emax", _list_kernel(lambda x: x.max(1).values,
 def _same_shape_list(name: str, op: Op, xs: Sequence[Operand]) -> Expression:
     if len(xs) == 0:
         raise ValueError(f"{name}: needs at least one expression")
-    g = graph_of(*xs)
-    nodes = tuple(node(g, x) for x in xs)
-    shape = g.shapes[nodes[0]]
+    g, nodes = list_operands(xs)
+    shapes = g.shapes
+    shape = shapes[nodes[0]]
     for n in nodes:
-        if g.shapes[n] != shape:
+        if shapes[n] != shape:
             raise ShapeError(f"{name}: all shapes must be equal, got "
                              f"{sorted({g.shapes[m] for m in nodes})}")
     return g.add(op, nodes, shape, (name, shape) if op.ragged else (name, shape, len(nodes)))
@@ -332,18 +338,22 @@ def concat(xs: Sequence[Operand], dim: int = 0) -> Expression:
     """Concatenate along `dim` (per-instance dims; 0 for vectors)."""
     if len(xs) == 0:
         raise ValueError("concat: needs at least one expression")
-    g = graph_of(*xs)
-    nodes = tuple(node(g, x) for x in xs)
-    shapes = tuple(g.shapes[n] for n in nodes)
+    g, nodes = list_operands(xs)
+    shapes = tuple([g.shapes[n] for n in nodes])
     first = shapes[0]
     if not 0 <= dim < len(first):
         raise ShapeError(f"concat: dim {dim} out of range for shape {first}")
-    for s in shapes:
-        if len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]:
+    if len(first) == 1:  # vectors (the common case): any lengths fit
+        if any(len(s) != 1 for s in shapes):
             raise ShapeError(f"concat: shapes {list(shapes)} differ outside dim {dim}")
-    shape = first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
+        shape = (sum([s[0] for s in shapes]),)
+    else:
+        for s in shapes:
+            if len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]:
+                raise ShapeError(f"concat: shapes {list(shapes)} differ outside dim {dim}")
+        shape = first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
     # Only equal shapes along dim 0 can be gathered as one stacked tensor and reshaped.
-    op = CONCAT if dim == 0 and len(set(shapes)) == 1 else _CONCAT_POSITIONAL
+    op = CONCAT if dim == 0 and shapes.count(first) == len(shapes) else _CONCAT_POSITIONAL
     return g.add(op, nodes, shape, ("concat", shapes, dim), dim)
 
 
