@@ -41,13 +41,19 @@ class Params:
         return list(vars(self).values())
 
 
-def make_params(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Params:
+def parameter_maker(dtype: torch.dtype, device: str, seed: int, scale: float):
+    """`p(*shape)`: seeded random Parameters, drawn in float64 so every dtype sees one stream."""
     gen = torch.Generator().manual_seed(seed)
 
     def p(*shape: int) -> torch.Tensor:
-        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.5
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
         return torch.nn.Parameter(t.to(device, dtype))
 
+    return p
+
+
+def make_params(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Params:
+    p = parameter_maker(dtype, device, seed, 0.5)
     return Params(E=p(VOCAB, 4), W=p(4, 3), V=p(3, 4), M=p(2, 3), b4=p(4), b3=p(3), u3=p(3))
 
 
@@ -389,12 +395,7 @@ class SeqParams:
 
 
 def make_seq_params(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(1)
-
-    def p(*shape):
-        return torch.nn.Parameter((torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.4)
-                                  .to(device, dtype))
-
+    p = parameter_maker(dtype, device, 1, 0.4)
     return SeqParams(E=p(VOCAB, 4), Wg=p(4 * H, 4 + H), bg=p(4 * H), Wr=p(H, 4 + H), br=p(H),
                      U=p(5, 2 * H))
 
@@ -450,12 +451,7 @@ class TreeParams:
 
 
 def make_tree_params(dtype, device="cpu"):
-    gen = torch.Generator().manual_seed(2)
-
-    def p(*shape):
-        return torch.nn.Parameter((torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.5)
-                                  .to(device, dtype))
-
+    p = parameter_maker(dtype, device, 2, 0.5)
     return TreeParams(E=p(VOCAB, 4), WL=p(H, 4), bL=p(H), W2=p(H, 2 * H), Ws=p(H, H), Wm=p(H, H),
                       b=p(H), U=p(5, H))
 
