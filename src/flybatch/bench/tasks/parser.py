@@ -93,6 +93,21 @@ def best_legal(config: Config, scores: Sequence[float]) -> int:
     return max(config.legal(), key=scores.__getitem__)
 
 
+def transition(config: Config, gold_heads: Sequence[int], scores, values: Sequence[float],
+               train: bool, relu, losses: list) -> None:
+    """Take one step: in training the oracle's transition, appending the hinge loss against the
+    best wrong legal one (if any) to `losses`; in evaluation the best legal transition.
+    `scores` is the step's score vector (a tensor or an expression), `values` its numbers, and
+    `relu` the matching op (`torch.relu` or `fb.relu`)."""
+    if train:
+        gold, wrong = gold_and_wrong(config, gold_heads, values)
+        if wrong is not None:
+            losses.append(relu(1.0 - scores[gold] + scores[wrong]))
+        config.apply(gold)
+    else:
+        config.apply(best_legal(config, values))
+
+
 class ParserTask(Task):
     name = "parser"
     TASK_EXTRA_MODES = {"parser-auto": "agenda", "parser-seq": "agenda"}
@@ -143,13 +158,7 @@ class ParserTask(Task):
             while not config.done():
                 s = self._scores_eager(vectors, config)
                 values = s.tolist()  # the decision needs the values: one sync per transition
-                if train:
-                    gold, wrong = gold_and_wrong(config, inst.heads, values)
-                    if wrong is not None:
-                        losses.append(torch.relu(1.0 - s[gold] + s[wrong]))
-                    config.apply(gold)
-                else:
-                    config.apply(best_legal(config, values))
+                transition(config, inst.heads, s, values, train, torch.relu, losses)
             predictions.append(config.heads)
         if not train:
             return predictions
@@ -180,13 +189,7 @@ class ParserTask(Task):
             # under no_grad: the forward must record autograd for the backward.)
             values = torch.stack(graph.forward(scores)).detach().tolist()
             for (inst, config, _), s, row in zip(active, scores, values):
-                if train:
-                    gold, wrong = gold_and_wrong(config, inst.heads, row)
-                    if wrong is not None:
-                        losses.append(fb.relu(1.0 - s[gold] + s[wrong]))
-                    config.apply(gold)
-                else:
-                    config.apply(best_legal(config, row))
+                transition(config, inst.heads, s, row, train, fb.relu, losses)
             active = [p for p in active if not p[1].done()]
         if not train:
             return [config.heads for _, config, _ in parsers]
@@ -214,13 +217,7 @@ class ParserTask(Task):
         while not config.done():
             scores = self._scores_flybatch(vectors, config)
             values = scores.value().tolist()  # the decision needs the values: a value request
-            if train:
-                gold, wrong = gold_and_wrong(config, inst.heads, values)
-                if wrong is not None:
-                    losses.append(fb.relu(1.0 - scores[gold] + scores[wrong]))
-                config.apply(gold)
-            else:
-                config.apply(best_legal(config, values))
+            transition(config, inst.heads, scores, values, train, fb.relu, losses)
         return losses if train else config.heads
 
     def forward_mode(self, mode: str, batch: list[Parse], train: bool):
