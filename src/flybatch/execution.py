@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .scheduling import Schedule
+from .scheduling import Schedule, csr_rows
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -85,10 +85,8 @@ def _plan_reads(graph: "Graph", plan: Schedule
             shape_of_batch.append((0, 0))
             continue
         if op.ragged:  # every argument of every node, flat, and each node's arity
-            begin, counts = plan.arg_ptr[local], plan.arg_ptr[local + 1] - plan.arg_ptr[local]
-            offsets = np.repeat(begin - np.cumsum(counts) + counts, counts)
-            columns.append(plan.arg_flat[offsets + np.arange(int(counts.sum()))])
-            shape_of_batch.append((1, counts))
+            columns.append(plan.arg_flat[csr_rows(plan.arg_ptr, local)])
+            shape_of_batch.append((1, plan.arg_ptr[local + 1] - plan.arg_ptr[local]))
             continue
         cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
         if op.stack_from is not None and arity >= op.stack_from:
@@ -229,7 +227,7 @@ def _fan_out(graph: "Graph", source: int, read_ids: list[int], reads: list[Read]
     for k in read_ids:
         read = reads[k]
         rows = (np.arange(read[2], read[2] + read[3]) if read[0] == "view" else read[2])
-        indices.append(torch.from_numpy(np.ascontiguousarray(rows)).to(tensor.device))
+        indices.append(_index(rows, tensor))
     for k, piece in zip(read_ids, _FanOut.apply(tensor, *indices)):
         pieces[k] = piece
     graph.gathers += len(read_ids)

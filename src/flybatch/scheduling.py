@@ -94,6 +94,13 @@ def _one_depth_per_signature(sigs: np.ndarray, depths: np.ndarray) -> bool:
     return len(np.unique(key)) == len(np.unique(sigs))
 
 
+def csr_rows(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Indices of the entries of `rows` in a CSR layout (`ptr`), concatenated in order."""
+    begin = ptr[rows]
+    counts = ptr[rows + 1] - begin
+    return np.repeat(begin - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
 class _Placer:
     """Appends batches to the plan, choosing the row order and recording node positions."""
 
@@ -209,13 +216,9 @@ def _agenda(graph: "Graph", plan: Schedule, sigs: np.ndarray, depths: np.ndarray
         remaining[g] -= len(batch)
         ready_count[g] = 0
         placer.place(batch)
-        begin, stop = cons_ptr[batch], cons_ptr[batch + 1]
-        counts = stop - begin
-        total = int(counts.sum())
-        if total == 0:
+        released = consumers[csr_rows(cons_ptr, batch)]
+        if len(released) == 0:
             continue
-        offsets = np.repeat(begin - np.cumsum(counts) + counts, counts)
-        released = consumers[offsets + np.arange(total)]
         np.subtract.at(waiting, released, 1)
         now_ready = released[waiting[released] == 0]
         if len(now_ready):
