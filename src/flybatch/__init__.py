@@ -6,7 +6,7 @@
         loss.backward()                          # one batched forward, one batched backward
 """
 
-from .errors import GraphError, ShapeError
+from .errors import ExecutionError, GraphError, ShapeError
 from .graph import Expression, Graph, current_graph, new_graph
 from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, dropout, emax, esum,
                   exp, input, log, log_softmax, logistic, lookup, matmul, mean_elems, mul, neg,
@@ -19,7 +19,7 @@ from . import nn  # noqa: E402  (needs the ops above)
 from . import distributed  # noqa: E402  (fb.distributed: data-parallel training)
 
 __all__ = [
-    "Expression", "Graph", "GraphError", "ShapeError", "Stats", "abs", "add", "affine", "average",
+    "ExecutionError", "Expression", "Graph", "GraphError", "ShapeError", "Stats", "abs", "add", "affine", "average",
     "cdiv", "cmult", "concat", "current_graph", "div", "dot", "dropout", "emax", "esum", "exp",
     "input", "log", "log_softmax", "logistic", "lookup", "matmul", "mean_elems", "mul", "neg",
     "new_graph", "nn", "ones", "parameter", "pick", "pick_neg_log_softmax", "rectify", "relu",

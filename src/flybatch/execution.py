@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from . import signatures
+from .errors import ExecutionError
 from .scheduling import Schedule, csr_rows
 
 if TYPE_CHECKING:
@@ -32,17 +34,19 @@ Read = tuple
 
 
 def run(graph: "Graph", plan: Schedule) -> None:
+    _refresh_parameters(graph)
     reads, batch_reads = _plan_reads(graph, plan)
     fanned = _plan_fan_outs(graph, plan, reads)
     pieces: dict[int, torch.Tensor] = {}
     for source in [s for s in fanned if s < plan.first_batch]:
         _fan_out(graph, source, fanned[source], reads, pieces)
     values, shapes, ops, attrs = graph.values, graph.shapes, graph.ops, graph.attrs
+    no_grad = graph.no_grad_nodes
     for nodes, (arg_reads, stacked) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
         op = ops[first]
         if op.leaf:
-            values.append(op.kernel(graph, nodes))
+            values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
             size = len(nodes)
             xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
@@ -54,7 +58,13 @@ def run(graph: "Graph", plan: Schedule) -> None:
                     xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked,
                                                                              *arg_shape)
                 attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
-            out = op.kernel(xs, attr, shapes[first])
+            if op.random:  # one sample per node, never one broadcast row for all
+                xs = [x.expand(size, *x.shape[1:]) for x in xs]
+            if first in no_grad:  # written under torch.no_grad() (the whole batch was)
+                with torch.no_grad():
+                    out = _guarded(graph, nodes, op.kernel, xs, attr, shapes[first])
+            else:
+                out = _guarded(graph, nodes, op.kernel, xs, attr, shapes[first])
             if out.shape[0] != size:
                 out = out.expand(size, *out.shape[1:])
             values.append(out)
@@ -62,6 +72,44 @@ def run(graph: "Graph", plan: Schedule) -> None:
         source = len(values) - 1
         if source in fanned:
             _fan_out(graph, source, fanned[source], reads, pieces)
+
+
+def _refresh_parameters(graph: "Graph") -> None:
+    """Parameters are read when the forward runs, like embedding tables: a parameter computed
+    by an earlier forward of this graph is read anew if its tensor was rebound (`W.data = ...`)
+    since; in-place updates are seen anyway (the value is a view of the parameter)."""
+    for node in graph.parameter_nodes:
+        if node >= graph.n_done:
+            break  # computed by this forward's own parameter kernel
+        tensor = graph.attrs[node]
+        batch = graph.node_batch[node]
+        cached = graph.values[batch]
+        if cached.data_ptr() == tensor.data_ptr() and cached.shape[1:] == tensor.shape:
+            continue
+        if tuple(tensor.shape) != graph.shapes[node]:
+            raise ExecutionError(f"parameter #{node}: its tensor was rebound to shape "
+                                 f"{tuple(tensor.shape)} after nodes of shape "
+                                 f"{graph.shapes[node]} were written with it")
+        graph.values[batch] = tensor.unsqueeze(0)
+
+
+def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
+    """Run a batch's kernel; a failure names the op, its signature and nodes (and, in debug
+    mode, the lines that wrote them) instead of surfacing as a bare torch error."""
+    try:
+        return kernel(*args)
+    except Exception as error:
+        first = int(nodes[0])
+        shown = ", ".join(f"#{int(v)}" for v in nodes[:5]) + (", ..." if len(nodes) > 5 else "")
+        message = (f"{graph.ops[first].name} kernel failed on a batch of {len(nodes)} node(s) "
+                   f"({shown}; signature {signatures.describe(graph.sigs[first])}): "
+                   f"{type(error).__name__}: {error}")
+        if graph.origins is not None:
+            lines = [graph.origins[int(v)] for v in nodes[:5] if int(v) in graph.origins]
+            message += "".join(f"\n  node written at {line}" for line in lines)
+        else:
+            message += "\n  (create the graph with fb.Graph(debug=True) to see where it was written)"
+        raise ExecutionError(message) from error
 
 
 # ---- planning ----------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ creation order, which is a topological order, so "pending" is simply `ids >= n_d
 
 from __future__ import annotations
 
+import inspect
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -43,6 +45,9 @@ class Op:
     stack_from: int | None = None
     ragged: bool = False  # variadic, any arity in one batch: ONE flat argument, attr = arities
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
+    # Draws random numbers: each node needs its own sample, so the executor never lets a batch
+    # of it run on one broadcast row (every node reading the same input).
+    random: bool = False
 
     def __repr__(self) -> str:
         return f"Op({self.name})"
@@ -152,7 +157,7 @@ class Graph:
     """
 
     def __init__(self, strategy: str = "agenda", device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, debug: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         self.strategy = strategy
@@ -184,6 +189,11 @@ class Graph:
         # Set by `map_batched`: called before a value request forces a forward, so that the
         # instance can wait until every other instance has asked too.
         self.before_value_request: Callable[[], None] | None = None
+        self.no_grad_nodes: set[int] = set()  # nodes written under torch.no_grad()
+        self.parameter_nodes: list[int] = []  # re-read by every forward (see execution.run)
+        # With `debug=True`, node -> "file:line: code" of the user's line that wrote it, so a
+        # kernel failure can point there.
+        self.origins: dict[int, str] | None = {} if debug else None
         self._idle_since = time.perf_counter()
         self._previous: list[Graph] = []
 
@@ -193,6 +203,13 @@ class Graph:
         """Append a node; the hot path of graph building, so plain Python, no extra calls."""
         if self.closed:
             raise GraphError("this graph is closed; create a new one (fb.Graph() / fb.new_graph())")
+        if args and not torch.is_grad_enabled():
+            # Grad mode is the one in force when the node is written, as eagerly: such a node
+            # runs without grad and never shares a kernel with nodes that carry gradient.
+            sig_key = ("no_grad", sig_key)
+            self.no_grad_nodes.add(len(self.depths))
+        if self.origins is not None:
+            self.origins[len(self.depths)] = _user_line()
         sig = _signature_ids.get(sig_key)
         if sig is None:
             sig = signatures.intern(sig_key)
@@ -227,6 +244,7 @@ class Graph:
             node = len(self.ops)
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
+            self.parameter_nodes.append(node)
             self.parameter_tags[node] = signatures.parameter_tag(tensor)
         return node
 
@@ -259,9 +277,19 @@ class Graph:
             self._leaf_nodes[key] = node
         return node
 
-    def input_node(self, tensor: torch.Tensor) -> int:
+    def input_node(self, tensor: torch.Tensor, keep_grad: bool = False, owned: bool = False) -> int:
+        """A per-instance input holding `tensor`'s value AT THIS CALL (as eagerly and in
+        DyNet): it is copied unless `owned` (a fresh tensor nobody else can write), so a
+        buffer reused afterwards does not change the node. With `keep_grad`, gradient flows
+        back into `tensor`'s own autograd history."""
+        if tensor.device.type == "meta":
+            raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
+                             "device has no values to compute with")
         shape = tuple(tensor.shape)
-        return self.add(INPUT, (), shape, ("input", shape), tensor.detach()).id
+        value = tensor if keep_grad else tensor.detach()
+        if not owned:
+            value = value.clone()
+        return self.add(INPUT, (), shape, ("input", shape), value).id
 
     def node_of(self, x: Expression) -> int:
         """The node id of `x`, checking that it belongs to this (open) graph."""
@@ -294,6 +322,7 @@ class Graph:
         if end > start:
             now = time.perf_counter()
             self.seconds["build"] += now - self._idle_since
+            self._idle_since = now  # a failed forward must not count this build time again
             self._grow_positions(end)
             n_batches, n_launches = len(self.values), len(self.launches)
             counters = (self.gathers, self.gathers_avoided)
@@ -301,7 +330,10 @@ class Graph:
                 schedule = scheduling.schedule(self, start, end)
                 t1 = time.perf_counter()
                 self.seconds["schedule"] += t1 - now
-                execution.run(self, schedule)
+                # A forward computes the same autograd graph whatever the grad mode of the code
+                # that asked for a value (a peek under no_grad): each node's own mode decides.
+                with torch.enable_grad():
+                    execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
                 # Leave nothing half-executed: the pending nodes stay pending, so the graph is
@@ -310,6 +342,7 @@ class Graph:
                 del self.launches[n_launches:]
                 self.gathers, self.gathers_avoided = counters
                 self.node_batch[start:end] = -1
+                self._idle_since = time.perf_counter()
                 raise
             self.n_done = end
             self.forward_ends.append(end)
@@ -374,6 +407,18 @@ class Graph:
     def __repr__(self) -> str:
         return (f"Graph(strategy={self.strategy!r}, nodes={self.n_nodes}, "
                 f"done={self.n_done}, batches={len(self.launches)})")
+
+
+def _user_line() -> str:
+    """"file:line: code" of the innermost caller outside flybatch (debug mode only)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("flybatch"):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    info = inspect.getframeinfo(frame, context=1)
+    code = info.code_context[0].strip() if info.code_context else ""
+    return f"{info.filename}:{info.lineno}: {code}"
 
 
 class _Current:

@@ -45,11 +45,15 @@ def node(g: Graph, x: Operand) -> int:
     if isinstance(x, Expression):
         return g.node_of(x)
     if isinstance(x, torch.Tensor):
-        return g.parameter_node(x) if x.requires_grad else g.input_node(x)
+        if not x.requires_grad:
+            return g.input_node(x)
+        # Only leaves that require grad are parameters (one shared node per graph); a computed
+        # tensor is a per-instance input whose gradient flows back into its own history.
+        return g.parameter_node(x) if x.is_leaf else g.input_node(x, keep_grad=True)
     if isinstance(x, numbers.Real):
         return g.constant_node("scalar", (), float(x))
     if isinstance(x, np.ndarray):
-        return g.input_node(torch.from_numpy(x))
+        return g.input_node(torch.tensor(x), owned=True)
     raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
 
 
@@ -88,9 +92,9 @@ def _param_tag(g: Graph, n: int) -> tuple[str, int] | None:
 def input(x: Any, graph: Graph | None = None) -> Expression:  # noqa: A001 - DyNet's name
     """A constant input (tensor, ndarray, list or float); no gradient flows into it."""
     g = graph or current_graph()
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(np.asarray(x, dtype=np.float64))
-    return Expression(g, g.input_node(x))
+    if isinstance(x, torch.Tensor):
+        return Expression(g, g.input_node(x))
+    return Expression(g, g.input_node(torch.tensor(np.asarray(x, dtype=np.float64)), owned=True))
 
 
 def parameter(p: torch.Tensor, graph: Graph | None = None) -> Expression:
@@ -501,14 +505,20 @@ def transpose(x: Operand) -> Expression:
     return g.add(TRANSPOSE, (n,), (shape[1], shape[0]), ("transpose", shape))
 
 
-DROPOUT = Op("dropout", lambda xs, p, shape: F.dropout(xs[0], p, training=True))
+DROPOUT = Op("dropout", lambda xs, p, shape: F.dropout(xs[0], p, training=True), random=True)
 
 
-def dropout(x: Operand, p: float) -> Expression:
-    """Zero each element with probability `p` and scale the rest by 1/(1-p) (training only)."""
+def dropout(x: Operand, p: float, training: bool = True) -> Expression:
+    """Zero each element with probability `p` and scale the rest by 1/(1-p), as `F.dropout`.
+
+    Every dropout node draws its own mask. With `training=False` it is the identity (returns
+    `x` itself, as `F.dropout` returns its input).
+    """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     g, n = unary_operand(x)
+    if not training:
+        return x if isinstance(x, Expression) else Expression(g, n)
     shape = g.shapes[n]
     return g.add(DROPOUT, (n,), shape, ("dropout", shape, p), p)
 

@@ -1,0 +1,231 @@
+"""Value semantics: a lazy, batched graph computes what eager PyTorch computes at each call.
+
+- Values are read at the call for inputs (tensors and arrays are copied then, so a buffer
+  reused afterwards does not change the node), and when the forward runs for parameters and
+  embedding tables (an optimizer step between forwards is seen by the next forward).
+- Grad mode is the one in force when a node is written, as eagerly: a node written under
+  `torch.no_grad()` carries no gradient; a forward forced under `no_grad` (a value peek)
+  computes the same autograd graph as any other.
+- Randomness: every random node draws its own sample (two dropouts of one expression have
+  independent masks, whatever the batching).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import flybatch as fb
+from flybatch.graph import STRATEGIES
+
+F64 = torch.float64
+
+
+def _param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.randn(*shape, dtype=F64))
+
+
+# ---- grad mode (item 1) --------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_value_peeked_under_no_grad_keeps_the_gradient_of_the_forward_it_forced(strategy):
+    torch.manual_seed(0)
+    W = _param(3, 3)
+    x = torch.randn(3, dtype=F64)
+    with fb.Graph(strategy, dtype=F64):
+        score = fb.sum_elems(fb.tanh(fb.matmul(W, x)))
+        with torch.no_grad():
+            peeked = score.item()  # forces the forward with grad off
+        score.backward()
+    expected = torch.tanh(W @ x).sum()
+    assert peeked == pytest.approx(expected.item())
+    (grad,) = torch.autograd.grad(expected, W)
+    assert W.grad is not None
+    torch.testing.assert_close(W.grad, grad)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_node_written_under_no_grad_carries_no_gradient(strategy):
+    torch.manual_seed(0)
+    W = _param(3, 3)
+    x = torch.randn(3, dtype=F64)
+    with fb.Graph(strategy, dtype=F64):
+        with torch.no_grad():
+            target = fb.matmul(W, x)  # a fixed target, as eagerly
+        loss = fb.squared_distance(fb.matmul(W, x) * 2.0, target)
+        assert not target.value().requires_grad
+        loss.backward()
+    target_eager = (W @ x).detach()
+    expected = ((W @ x * 2.0 - target_eager) ** 2).sum()
+    (grad,) = torch.autograd.grad(expected, W)
+    torch.testing.assert_close(W.grad, grad)
+
+
+def test_nodes_written_with_and_without_grad_do_not_share_a_kernel():
+    W = _param(2, 2)
+    with fb.Graph("agenda", dtype=F64) as g:
+        a = fb.matmul(W, torch.ones(2, dtype=F64))
+        with torch.no_grad():
+            b = fb.matmul(W, torch.ones(2, dtype=F64))
+        g.forward([a, b])
+        assert a.value().requires_grad and not b.value().requires_grad
+
+
+# ---- randomness (item 2) -------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_dropouts_of_one_expression_draw_independent_masks(strategy):
+    torch.manual_seed(0)
+    with fb.Graph(strategy, dtype=F64):
+        x = fb.input(torch.ones(4096, dtype=F64))
+        d1, d2 = fb.dropout(x, 0.5), fb.dropout(x, 0.5)
+        m1, m2 = d1.value() != 0, d2.value() != 0
+    assert not torch.equal(m1, m2)
+    agree = (m1 == m2).double().mean().item()
+    assert 0.45 < agree < 0.55  # independent halves agree about half the time
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dropouts_of_one_shared_parameter_draw_independent_masks(strategy):
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.ones(64, 64, dtype=F64))
+    with fb.Graph(strategy, dtype=F64) as g:
+        ds = [fb.dropout(W, 0.5) for _ in range(3)]
+        masks = [v != 0 for v in g.forward(ds)]
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+def test_dropout_scales_kept_elements_and_passes_gradients_through_the_mask():
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.ones(1000, dtype=F64))
+    with fb.Graph(dtype=F64):
+        d = fb.dropout(W, 0.25)
+        fb.sum_elems(d).backward()
+        value = d.value().detach()
+    kept = value != 0
+    torch.testing.assert_close(value[kept], torch.full_like(value[kept], 1 / 0.75))
+    torch.testing.assert_close(W.grad, value)  # d(sum)/dW = mask / (1 - p)
+
+
+def test_dropout_with_training_false_is_the_identity():
+    with fb.Graph(dtype=F64):
+        x = fb.input(torch.randn(5, dtype=F64))
+        assert fb.dropout(x, 0.5, training=False) is x
+        torch.testing.assert_close(fb.dropout(x, 0.9, training=False).value(), x.value())
+
+
+# ---- inputs are read at the call (items 3, 22) ----------------------------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_an_input_keeps_the_value_it_had_at_the_call(strategy, kind):
+    buf = torch.zeros(3, dtype=F64) if kind == "tensor" else np.zeros(3)
+    with fb.Graph(strategy, dtype=F64) as g:
+        xs = []
+        for i in range(3):
+            buf.fill(3 * i) if kind == "ndarray" else buf.fill_(3 * i)
+            xs.append(fb.input(buf))
+        values = g.forward(xs)
+    assert [v.tolist() for v in values] == [[0, 0, 0], [3, 3, 3], [6, 6, 6]]
+
+
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_an_operand_keeps_the_value_it_had_at_the_call(kind):
+    buf = torch.zeros(2, dtype=F64) if kind == "tensor" else np.zeros(2)
+    with fb.Graph(dtype=F64) as g:
+        one = fb.input(torch.ones(2, dtype=F64))
+        sums = []
+        for i in range(3):
+            buf[:] = i
+            sums.append(one + buf)
+        values = g.forward(sums)
+    assert [v.tolist() for v in values] == [[1, 1], [2, 2], [3, 3]]
+
+
+def test_an_input_on_the_meta_device_raises_at_the_call():
+    with fb.Graph():
+        with pytest.raises(ValueError, match="meta"):
+            fb.input(torch.zeros(3, device="meta"))
+
+
+# ---- computed tensors with grad history (item 4) ----------------------------------------------------
+@pytest.mark.parametrize("strategy", ["depth", "agenda"])
+def test_computed_tensors_with_grad_are_batched_inputs_whose_gradient_flows_back(strategy):
+    torch.manual_seed(0)
+    A = _param(3, 4)
+    x = torch.randn(4, dtype=F64)
+    per_instance = [A * (i + 1) for i in range(5)]  # non-leaf, requires grad
+    with fb.Graph(strategy, dtype=F64) as g:
+        total = fb.esum([fb.sum_elems(fb.tanh(fb.matmul(M, x))) for M in per_instance])
+        total.backward()
+        launches = g.stats().by_signature
+    expected = sum(torch.tanh(M @ x).sum() for M in per_instance)
+    (grad,) = torch.autograd.grad(expected, A)
+    torch.testing.assert_close(A.grad, grad)
+    matmuls = sum(n for sig, n in launches.items() if sig.startswith("matmul"))
+    assert matmuls == 1  # the five per-instance matrices share one batched product
+
+
+# ---- parameters and tables are read when the forward runs (item 10) ---------------------------------
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameters_and_tables_rebound_between_forwards_are_read_at_the_next_forward(strategy):
+    W = torch.nn.Parameter(torch.ones(2, 2, dtype=F64))
+    E = torch.nn.Parameter(torch.ones(3, 2, dtype=F64))
+    x = torch.ones(2, dtype=F64)
+    with fb.Graph(strategy, dtype=F64):
+        before = (fb.matmul(W, x) + fb.lookup(E, 0)).value().tolist()
+        W.data = torch.full((2, 2), 2.0, dtype=F64)
+        E.data = torch.full((3, 2), 2.0, dtype=F64)
+        after = (fb.matmul(W, x) + fb.lookup(E, 0)).value().tolist()
+    assert before == [3.0, 3.0]
+    assert after == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_parameter_updated_in_place_between_forwards_is_read_at_the_next_forward(strategy):
+    W = torch.nn.Parameter(torch.ones(2, dtype=F64))
+    with fb.Graph(strategy, dtype=F64):
+        first = fb.sum_elems(W * 1.0).item()
+        with torch.no_grad():
+            W.mul_(3.0)
+        second = fb.sum_elems(W * 1.0).item()
+    assert (first, second) == (2.0, 6.0)
+
+
+# ---- errors only a kernel can see (item 19) ----------------------------------------------------------
+def test_a_kernel_failure_names_the_op_its_signature_and_the_nodes():
+    E = torch.nn.Parameter(torch.randn(10, 3))
+    with fb.Graph() as g:
+        row = fb.lookup(E, 9)
+        E.data = torch.randn(5, 3)  # the table shrank between building and forward
+        with pytest.raises(fb.ExecutionError, match=r"lookup.*node") as info:
+            row.value()
+    assert isinstance(info.value.__cause__, IndexError)
+    assert g.n_done == 0
+
+
+def test_debug_mode_names_the_line_that_wrote_the_failing_node():
+    E = torch.nn.Parameter(torch.randn(10, 3))
+    with fb.Graph(debug=True):
+        row = fb.lookup(E, 9)  # the line the error must name
+        E.data = torch.randn(5, 3)
+        with pytest.raises(fb.ExecutionError, match=r"test_semantics\.py:\d+") as info:
+            row.value()
+    assert "fb.lookup(E, 9)" in str(info.value)
+
+
+# ---- time accounting (item 24) -------------------------------------------------------------------
+def test_a_failed_forward_does_not_count_the_build_time_twice():
+    E = torch.nn.Parameter(torch.randn(10, 3))
+    with fb.Graph() as g:
+        row = fb.lookup(E, 9)
+        time.sleep(0.2)  # "building" for 0.2 s
+        E.data = torch.randn(5, 3)
+        with pytest.raises(fb.ExecutionError):
+            row.value()
+        first_build = g.seconds["build"]
+        E.data = torch.randn(10, 3)
+        row.value()  # the retry builds nothing new
+        build_again = g.seconds["build"] - first_build
+    assert first_build >= 0.2
+    assert build_again < 0.1
