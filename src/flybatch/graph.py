@@ -9,7 +9,9 @@ creation order, which is a topological order, so "pending" is simply `ids >= n_d
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -152,14 +154,20 @@ def _plain(x: Any) -> Any:
 class Graph:
     """A computation graph that batches the nodes of many instances on the fly.
 
-    Use it as a context manager to make it current; leaving the `with` block closes it and frees
-    its values (expressions of a closed graph raise `GraphError`).
+    Use it as a context manager to make it current (in this thread or task only); leaving the
+    outermost `with` block closes it and frees its values (expressions of a closed graph raise
+    `GraphError`).
     """
 
     def __init__(self, strategy: str = "agenda", device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, debug: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            # Values and gradients are computed in this dtype: anything else fails only at the
+            # first forward, far from the mistake.
+            raise TypeError(f"Graph: dtype must be a floating torch dtype (torch.float32, "
+                            f"torch.float64, ...), got {dtype!r}")
         self.strategy = strategy
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
@@ -195,7 +203,10 @@ class Graph:
         # kernel failure can point there.
         self.origins: dict[int, str] | None = {} if debug else None
         self._idle_since = time.perf_counter()
-        self._previous: list[Graph] = []
+        # One token per open `with` block (re-entering nests): each exit restores the graph that
+        # was current before its entry, and only the outermost one closes the graph.
+        self._entries: list[contextvars.Token] = []
+        self.map_batched_runs = 0  # `map_batched` calls running on this graph (see new_graph)
 
     # ---- node creation -------------------------------------------------------------------
     def add(self, op: Op, args: tuple[int, ...], shape: Shape, sig_key: tuple,
@@ -264,7 +275,9 @@ class Graph:
 
     def constant_node(self, kind: str, shape: Shape, value: float = 0.0) -> int:
         """An interned constant (zeros, ones or a scalar): one node however often it is used."""
-        key = (kind, shape, value)
+        # Keyed by the value's bits: 0.0 == -0.0 would share a node (x / -0.0 giving +inf), and
+        # NaN != NaN would give every NaN a node of its own.
+        key = (kind, shape, struct.pack("d", value))
         node = self._leaf_nodes.get(key)
         if node is None:
             node = len(self.ops)
@@ -391,13 +404,13 @@ class Graph:
         self._leaf_nodes = {}
 
     def __enter__(self) -> "Graph":
-        self._previous.append(current._graph)
-        current._graph = self
+        self._entries.append(_current.set(self))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        current._graph = self._previous.pop()
-        self.close()
+        _current.reset(self._entries.pop())
+        if not self._entries:
+            self.close()
 
     def stats(self):
         from .stats import collect
@@ -421,30 +434,38 @@ def _user_line() -> str:
     return f"{info.filename}:{info.lineno}: {code}"
 
 
-class _Current:
-    """The graph new nodes go to: the innermost `with Graph()`, else a default graph."""
-
-    def __init__(self) -> None:
-        self._graph: Graph | None = None
-
-    def get(self) -> Graph:
-        if self._graph is None or self._graph.closed:
-            self._graph = Graph()
-        return self._graph
-
-
-current = _Current()
+# The graph new nodes go to, per thread and per `contextvars` context (an asyncio task, a
+# `map_batched` instance): the innermost `with Graph()` there, else that context's default graph.
+# A new thread starts with no current graph; a copied context (an asyncio task) starts with its
+# creator's, and what it enters or creates afterwards stays its own.
+_current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("flybatch_current_graph",
+                                                                        default=None)
 
 
 def current_graph() -> Graph:
-    return current.get()
+    """The current graph of this thread or task; a fresh default graph if there is none."""
+    graph = _current.get()
+    if graph is None or graph.closed:
+        graph = Graph()
+        _current.set(graph)
+    return graph
 
 
 def new_graph(strategy: str = "agenda", device: str | torch.device | None = None,
               dtype: torch.dtype = torch.float32) -> Graph:
-    """Close the current default graph and start a fresh one (DyNet's `renew_cg`)."""
-    old = current._graph
-    if old is not None and not old._previous:
+    """Close the current default graph and start a fresh one (DyNet's `renew_cg`).
+
+    A graph made current by a `with` block stays open (the block closes it). Inside `map_batched`
+    the run's graph cannot be replaced: the other instances are still building in it.
+    """
+    graph = Graph(strategy, device, dtype)  # first: invalid arguments leave the current one open
+    old = _current.get()
+    if old is not None and old.map_batched_runs:
+        raise GraphError("fb.new_graph() inside fb.map_batched: the current graph is in use by "
+                         "the running map_batched (the other instances build in it); start the "
+                         "fresh graph before map_batched, or use `with fb.Graph():` inside fn "
+                         "for a graph of this instance alone")
+    if old is not None and not old._entries:
         old.close()
-    current._graph = Graph(strategy, device, dtype)
-    return current._graph
+    _current.set(graph)
+    return graph

@@ -105,22 +105,28 @@ def parameter(p: torch.Tensor, graph: Graph | None = None) -> Expression:
 
 def zeros(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
     g = graph or current_graph()
-    return Expression(g, g.constant_node("zeros", _as_shape(shape)))
+    return Expression(g, g.constant_node("zeros", _as_shape("zeros", shape)))
 
 
 def ones(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
     g = graph or current_graph()
-    return Expression(g, g.constant_node("ones", _as_shape(shape)))
+    return Expression(g, g.constant_node("ones", _as_shape("ones", shape)))
 
 
-def _as_shape(shape: int | Sequence[int]) -> Shape:
-    return (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(d) for d in shape)
+def _as_shape(op: str, shape: int | Sequence[int], inferred: int = 0) -> Shape:
+    """`shape` as a tuple of sizes, checked at the call (a negative size would fail only inside
+    the kernel); up to `inferred` sizes may be -1, which the op infers (reshape, as torch)."""
+    dims = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(d) for d in shape)
+    if any(d < -1 for d in dims) or dims.count(-1) > inferred:
+        allowed = " (one -1 is inferred)" if inferred else ""
+        raise ShapeError(f"{op}: sizes must be non-negative{allowed}, got shape {dims}")
+    return dims
 
 
 def _lookup_kernel(xs, attrs, shape):
-    table, sparse = attrs[0][0], attrs[0][2]
+    table, _, sparse, options = attrs[0]
     index = torch.tensor([a[1] for a in attrs], device=table.device)
-    return F.embedding(index, table, sparse=sparse)
+    return F.embedding(index, table, sparse=sparse, **dict(options))
 
 
 LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True)
@@ -132,9 +138,21 @@ def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | 
 
     All lookups into one table batch into one `embedding` call. With `sparse=True` (the default
     for an `nn.Embedding(sparse=True)`), the table's gradient is sparse: only the rows used.
+    An `nn.Embedding`'s `padding_idx` (that row gets no gradient) and `max_norm` (the rows looked
+    up are renormalised in place at forward time) act as in its own forward.
     """
+    options: tuple[tuple[str, Any], ...] = ()  # F.embedding's keyword options, by name
     if isinstance(table, torch.nn.Embedding):
+        if table.scale_grad_by_freq:
+            raise ValueError(
+                "lookup: nn.Embedding(scale_grad_by_freq=True) is not supported: it scales the "
+                "gradient by how often a word occurs in ONE embedding call, and batching, not "
+                "the per-instance code, decides which lookups share a call")
         sparse = table.sparse if sparse is None else sparse
+        if table.padding_idx is not None:
+            options += (("padding_idx", table.padding_idx),)
+        if table.max_norm is not None:
+            options += (("max_norm", table.max_norm), ("norm_type", table.norm_type))
         table = table.weight
     sparse = bool(sparse)
     g = graph or current_graph()
@@ -145,7 +163,8 @@ def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | 
         raise IndexError(f"lookup: index {i} out of range for a table of {table.shape[0]} rows")
     g.check_tensor("lookup", table)
     shape = (table.shape[1],)
-    return g.add(LOOKUP, (), shape, ("lookup", parameter_tag(table), sparse, shape), (table, i, sparse))
+    return g.add(LOOKUP, (), shape, ("lookup", parameter_tag(table), sparse, shape) + options,
+                 (table, i, sparse, options))
 
 
 # ---- unary elementwise ---------------------------------------------------------------------
@@ -379,11 +398,12 @@ squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
 
 
 def dot(a: Operand, b: Operand) -> Expression:
-    """The dot product of two vectors."""
-    g = graph_of(a, b)
-    if len(g.shapes[node(g, a)]) != 1:
-        raise ShapeError(f"dot: needs vectors, got shape {g.shapes[node(g, a)]}")
-    return matmul(a, b)
+    """The dot product of two vectors of equal length, as `torch.dot`."""
+    g, na, nb = binary_operands(a, b)
+    sa, sb = g.shapes[na], g.shapes[nb]
+    if len(sa) != 1 or sa != sb:
+        raise ShapeError(f"dot: needs two vectors of equal length, got shapes {sa} and {sb}")
+    return matmul(Expression(g, na), Expression(g, nb))
 
 
 def squared_distance(a: Operand, b: Operand) -> Expression:
@@ -485,10 +505,14 @@ builtin_slice = slice
 
 
 def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
+    """`x`'s elements in a new shape; one size may be -1, inferred from the others as in torch."""
     g, n = unary_operand(x)
-    old, new = g.shapes[n], _as_shape(shape)
-    if math.prod(old) != math.prod(new):
-        raise ShapeError(f"reshape: cannot reshape {old} into {new}")
+    old, asked = g.shapes[n], _as_shape("reshape", shape, inferred=1)
+    size, known = math.prod(old), math.prod(d for d in asked if d != -1)
+    # With no other elements (known == 0) a -1 could be any size: it stays, and is an error.
+    new = tuple(size // known if d == -1 else d for d in asked) if known else asked
+    if -1 in new or math.prod(new) != size:
+        raise ShapeError(f"reshape: cannot reshape {old} into {asked}")
     return g.add(RESHAPE, (n,), new, ("reshape", old, new))
 
 
@@ -531,8 +555,8 @@ def _getitem(x: Expression, index: Any) -> Expression:
         n = x.shape[0] if x.shape else 0
         return slice_rows(x, 0 if index.start is None else index.start,
                           n if index.stop is None else index.stop)
-    if isinstance(index, (numbers.Integral, np.integer)):
-        return pick(x, int(index))
+    if isinstance(index, (numbers.Integral, np.integer, np.bool_)):
+        return pick(x, index)  # which rejects a bool: x[True] is not x[1]
     raise IndexError(f"unsupported index {index!r}: use an int or a slice")
 
 
@@ -553,6 +577,9 @@ Expression.__rmatmul__ = _reflected(matmul)
 Expression.__neg__ = neg
 Expression.__getitem__ = _getitem
 Expression.__iter__ = None  # iterating would loop forever through __getitem__: forbid it
+# Without it NumPy takes an Expression for a scalar object and applies `ndarray + x` element by
+# element (an object array of expressions); None makes NumPy defer to `x.__radd__` and the like.
+Expression.__array_ufunc__ = None
 
 
 # A torch.Tensor on the left of an operator (`W @ h`, `b + h`) would make torch try, fail and
