@@ -18,9 +18,20 @@ Semantics:
 - `fn(item)` is called once per item, results come back in the order of `items`. Instances are
   started in that order and resumed in the order they were suspended; a round never depends on
   values, so the whole run is deterministic.
-- While an instance runs, the current graph (`fb.current_graph()`) is the graph of the run, so
-  ops that use the current graph need no `graph=` argument; each instance keeps its own view of
-  the current graph across suspensions (a `with fb.Graph():` inside `fn` stays local to it).
+- Each instance runs in its own `contextvars` context, a copy of the caller's in which the graph
+  of the run is current (`fb.current_graph()`), so ops that use the current graph need no
+  `graph=` argument. The greenlet keeps that context across suspensions: a `with fb.Graph():` or
+  a context variable set inside `fn` stays local to the instance, and the caller's is untouched.
+- `fb.new_graph()` inside `fn` while the run's graph is current raises `GraphError` (closing or
+  replacing that graph would pull it from under the other instances); start a fresh graph
+  before calling `map_batched`, or use `with fb.Graph():` inside `fn` for a graph of its own.
+- Torch's grad mode (`torch.no_grad()`, `torch.set_grad_enabled`) is per instance too: each
+  starts in the caller's mode, its mode is saved and restored around each suspension, and the
+  caller's mode is the same after the call. Other thread-local torch state (inference mode,
+  autocast) is not switched: use it around the `map_batched` call, not across a value request
+  inside `fn`.
+- Runs in different threads are independent (each thread has its own greenlets and current
+  graph); one graph must not be used by two threads at once.
 - Nested use works: an `fn` that calls `map_batched` on the same graph becomes the driver of its
   sub-instances, and when they all wait, it waits in turn as an instance of the outer run, so the
   sub-instances of every outer instance share the outer forwards. On another graph the inner run
@@ -42,12 +53,13 @@ Semantics:
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable, Iterable, TypeVar
 
 import greenlet
+import torch
 
-from . import graph as _graph_module
-from .graph import Graph, current_graph
+from .graph import Graph, _current, current_graph
 
 __all__ = ["MapBatchedError", "map_batched"]
 
@@ -77,7 +89,8 @@ class _Instance(greenlet.greenlet):
         super().__init__(fn)
         self.owner = run  # not `run`: greenlet calls `self.run` as its body
         self.index = index
-        self.view: Graph | None = run.graph  # this instance's current graph while suspended
+        self.gr_context = run.context.copy()  # its own: the greenlet runs in it from start to end
+        self.grad_enabled = run.grad_enabled  # torch keeps grad mode per thread, not per context
 
 
 class _Run:
@@ -87,21 +100,25 @@ class _Run:
         self.graph = graph
         self.driver = greenlet.getcurrent()
         self.closing = False
+        self.context = contextvars.copy_context()
+        self.context.run(_current.set, graph)
+        self.grad_enabled = torch.is_grad_enabled()
 
     def suspend(self, instance: _Instance) -> None:
         """Called in `instance`: wait until the driver has run the next batched forward."""
         self.driver.switch(_SUSPENDED)
 
     def enter(self, instance: _Instance, method: Callable[..., Any], *args: Any) -> Any:
-        """Switch into `instance` (`method`: its switch or throw) with its own current graph."""
-        current = _graph_module.current
-        saved = current._graph
-        current._graph = instance.view
+        """Switch into `instance` (`method`: its switch or throw) in its own grad mode."""
+        saved = torch.is_grad_enabled()
+        if instance.grad_enabled != saved:  # setting costs more than comparing: only on change
+            torch.set_grad_enabled(instance.grad_enabled)
         try:
             return method(*args)
         finally:
-            instance.view = current._graph
-            current._graph = saved
+            instance.grad_enabled = torch.is_grad_enabled()
+            if instance.grad_enabled != saved:
+                torch.set_grad_enabled(saved)
 
 
 class _Hook:
@@ -121,6 +138,7 @@ class _Hook:
 
 
 def _install(graph: Graph) -> _Hook:
+    graph.map_batched_runs += 1
     hook = graph.before_value_request
     if not (isinstance(hook, _Hook) and hook.graph is graph):
         hook = _Hook(graph)
@@ -130,6 +148,7 @@ def _install(graph: Graph) -> _Hook:
 
 
 def _uninstall(graph: Graph, hook: _Hook) -> None:
+    graph.map_batched_runs -= 1
     hook.runs -= 1
     if hook.runs == 0 and graph.before_value_request is hook:
         graph.before_value_request = hook.previous
