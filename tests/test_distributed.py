@@ -4,12 +4,13 @@ The multi-process tests start real ranks: this file run as a script (`python
 tests/test_distributed.py <scenario> <outdir>`) with torchrun's environment variables (RANK,
 WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port>), so `fbd.init()` takes the same
 path as under torchrun. A process costs seconds (importing torch), so one pair trains with all
-three strategies and then fails on purpose (a raising rank), while a second pair (a hanging
-rank) runs side by side.
+three strategies, then passes mismatched parameter lists, then fails on purpose (a raising
+rank), while a second pair (a hanging rank) runs side by side.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -184,9 +185,62 @@ def test_gradient_buckets_respect_the_size_and_keep_dtypes_apart():
 
 
 # ---- what one rank runs ----------------------------------------------------------------------
+def named(**params: torch.nn.Parameter) -> torch.nn.Module:
+    """A module whose parameters are `params`, named and ordered as given."""
+    module = torch.nn.Module()
+    for name, p in params.items():
+        module.register_parameter(name, p)
+    return module
+
+
+def check_parameter_lists(rank: int) -> dict:
+    """The ranks reduce different parameter lists: what `all_reduce_gradients` raised on this
+    rank, and whether it left the gradients alone. Then one matching model, three steps: its
+    summed gradients and how many cross-rank parameter checks that took."""
+    def zeros(*shape, dtype=torch.float32):
+        return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype))
+
+    a, b, c = zeros(2), zeros(3), zeros(4)
+    mismatches = {  # (rank 0's parameters, rank 1's parameters)
+        "order": ([a, b], [b, a]),
+        "names": (named(a=zeros(2), b=zeros(2)), named(b=zeros(2), a=zeros(2))),
+        "dtype": ([zeros(2)], [zeros(2, dtype=torch.float64)]),
+        "count": ([a, b], [a, b, c]),
+    }
+    out = {}
+    for case, lists in mismatches.items():
+        params = lists[rank]
+        tensors = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
+        for p in tensors:
+            p.grad = torch.full_like(p, rank + 1.0)
+        try:
+            fbd.all_reduce_gradients(params)
+            error = None
+        except fbd.ParameterMismatchError as exc:
+            error = str(exc)
+        untouched = all(torch.equal(p.grad, torch.full_like(p, rank + 1.0)) for p in tensors)
+        out[case] = {"error": error, "untouched": untouched}
+    gathers = []
+    real = torch.distributed.all_gather_object
+    torch.distributed.all_gather_object = lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
+    try:
+        model = named(a=zeros(2), b=zeros(3))
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, rank + 1.0)
+            with fbd.step(model):
+                pass
+    finally:
+        torch.distributed.all_gather_object = real
+    out["sums"] = [p.grad.tolist() for p in model.parameters()]
+    out["checks"] = len(gathers)
+    return out
+
+
 def worker(scenario: str, outdir: Path) -> None:
-    """"train": the three strategies (results saved), then one more run in which rank 1's
-    per-instance code raises at the second step. "hang": rank 1's per-instance code hangs."""
+    """"train": the three strategies (results saved), the parameter-list checks (results saved),
+    then one more run in which rank 1's per-instance code raises at the second step. "hang":
+    rank 1's per-instance code hangs."""
     ctx = fbd.init(timeout=60 if scenario == "train" else 3)  # reads torchrun's variables
     assert ctx.distributed and ctx.backend == "gloo" and ctx.world_size == 2
     try:
@@ -196,6 +250,8 @@ def worker(scenario: str, outdir: Path) -> None:
             result["scalars"] = fbd.sum_scalars([ctx.rank + 1, 0.5])
             result["any"] = [fbd.any_rank(ctx.rank == 1), fbd.any_rank(False)]
             torch.save(result, outdir / f"rank{ctx.rank}.pt")
+            checks = check_parameter_lists(ctx.rank)
+            (outdir / f"checks{ctx.rank}.json").write_text(json.dumps(checks))
 
         def fail_at(step):
             if ctx.rank == 1 and step == 1:
@@ -315,6 +371,31 @@ def test_a_raising_rank_stops_every_rank_at_once(pairs):
         assert code not in (0, None), f"rank {rank}: {code}\n{err[-3000:]}"
         assert "RankFailedError: rank 1 failed: ValueError: boom in rank 1's instance" in err, err
     assert stamp(err0, "EXITING-AT") - stamp(err1, "FAILING-AT") < 10
+
+
+def test_ranks_passing_different_parameters_all_raise_the_same_clear_error(pairs):
+    # Swapped order, swapped names, another dtype, one parameter more: every rank raises the
+    # same error naming the difference, before any gradient moves (no mixed sums, no abort of
+    # gloo, no wait for the timeout); the process group stays usable.
+    pair = pairs["train"]
+    files = [pair.outdir / f"checks{r}.json" for r in range(2)]
+    for rank, (code, err) in enumerate(pair.results()):
+        assert files[rank].exists(), f"rank {rank} exited with {code}:\n{err[-3000:]}"
+    rank0, rank1 = [json.loads(f.read_text()) for f in files]
+    assert rank0 == rank1
+    differences = {
+        "order": "rank 1: parameter 0 is (3,) float32 cpu, rank 0 has (2,) float32 cpu",
+        "names": "rank 1: parameter 0 is 'b' (2,) float32 cpu, rank 0 has 'a' (2,) float32 cpu",
+        "dtype": "rank 1: parameter 0 is (2,) float64 cpu, rank 0 has (2,) float32 cpu",
+        "count": "rank 1: parameter 2 is (4,) float32 cpu, rank 0 has only 2 parameters",
+    }
+    for case, difference in differences.items():
+        assert rank0[case]["untouched"], case
+        assert rank0[case]["error"] == (
+            f"the ranks reduce different parameters: {difference}; every rank must pass the "
+            "same parameters in the same order"), case
+    # a matching model is checked once, on its first step; its gradients are summed
+    assert rank0["checks"] == 1 and rank0["sums"] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
 
 
 def test_a_hanging_rank_is_caught_by_the_collective_timeout(pairs):

@@ -38,8 +38,11 @@ of per-rank failure flags, so EVERY rank raises `RankFailedError("rank 1 failed:
 same step instead of waiting forever in the gradient all-reduce. A rank that dies or hangs
 outside the guard is caught by the backstop: every collective is bounded by the process-group
 `timeout` given to `init`, and a collective error is re-raised as a `RankFailedError` that
-says so. Without a process group (plain `python script.py`, or a world of one) every function
-here is a cheap local no-op, so the same script runs single-process unchanged.
+says so. Ranks that reduce different parameter lists (a model built differently on one rank)
+all raise `ParameterMismatchError` naming the difference, found by comparing the lists once,
+the first time each is reduced. Without a process group (plain `python script.py`, or a
+world of one) every function here is a cheap local no-op, so the same script runs
+single-process unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import contextlib
 import datetime
 import heapq
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
@@ -55,7 +59,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "Context", "RankFailedError", "Shard",
+    "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "Context", "ParameterMismatchError",
+    "RankFailedError", "Shard",
     "ShardedBatches", "Throughput", "all_reduce_gradients", "any_rank", "context",
     "gather_throughput", "get_rank", "get_world_size", "guard", "init", "is_distributed",
     "shard", "shutdown", "step", "sum_scalars",
@@ -69,6 +74,10 @@ _NONE, _SPARSE, _DENSE = 0, 1, 2  # gradient kinds, ordered so that MAX over ran
 
 class RankFailedError(RuntimeError):
     """Raised on EVERY rank when one rank failed (or a peer died or timed out)."""
+
+
+class ParameterMismatchError(ValueError):
+    """Raised on EVERY rank when the ranks reduce different parameter lists."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,7 @@ def shutdown() -> None:
     """Leave the process group (if `init` created it). Safe to call twice or after a failure."""
     global _ctx
     ctx, _ctx = _ctx, None
+    _checked.clear()  # a later group may hold other ranks, with other parameters
     if ctx is not None and ctx.owns_group and dist.is_initialized():
         # Leave together: a rank that tears its connections down while a peer still talks to
         # it makes gloo abort that peer. The barrier is bounded by the group's timeout, and
@@ -365,15 +375,70 @@ def guard() -> Iterator[None]:
 
 
 # ---- gradients -----------------------------------------------------------------------------
-def _params(params: Iterable[torch.Tensor] | torch.nn.Module) -> list[torch.Tensor]:
-    if isinstance(params, torch.nn.Module):
-        params = params.parameters()
+def _params(params: Iterable[torch.Tensor] | torch.nn.Module
+            ) -> list[tuple[str | None, torch.Tensor]]:
+    """(name, parameter) of each trainable parameter, once; names only a Module knows."""
+    pairs = (params.named_parameters() if isinstance(params, torch.nn.Module)
+             else ((None, p) for p in params))
     seen, out = set(), []
-    for p in params:
+    for name, p in pairs:
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            out.append(p)
+            out.append((name, p))
     return out
+
+
+# Parameter lists that matched on every rank, by the identities of their tensors; the weak
+# references tell a list apart from a later one whose new tensors reuse the same ids.
+_checked: dict[tuple[int, ...], tuple[weakref.ref, ...]] = {}
+
+
+def _describe(p: torch.Tensor) -> str:
+    """What must agree across ranks for the gradient sums to line up: "(2, 3) float32 cpu"."""
+    layout = "" if p.layout == torch.strided else " " + str(p.layout).removeprefix("torch.")
+    return (f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} "
+            f"{p.device.type}{layout}")
+
+
+def _show(entry: tuple[str | None, str]) -> str:
+    name, description = entry
+    return description if name is None else f"{name!r} {description}"
+
+
+def _difference(rank: int, theirs: list, ours: list) -> str | None:
+    """How rank `rank`'s parameter list differs from rank 0's, or None. Names count only where
+    both ranks know them (both passed a Module)."""
+    for i, (t, o) in enumerate(zip(theirs, ours)):
+        if t[1] != o[1] or (t[0] != o[0] and None not in (t[0], o[0])):
+            return f"rank {rank}: parameter {i} is {_show(t)}, rank 0 has {_show(o)}"
+    n = min(len(theirs), len(ours))
+    if len(theirs) > n:
+        return f"rank {rank}: parameter {n} is {_show(theirs[n])}, rank 0 has only {n} parameters"
+    if len(ours) > n:
+        return f"rank {rank} has only {n} parameters, rank 0's parameter {n} is {_show(ours[n])}"
+    return None
+
+
+def _check_same_parameters(named: list[tuple[str | None, torch.Tensor]]) -> None:
+    """Raise `ParameterMismatchError` on every rank unless all ranks pass the same list: count,
+    names (where known), shapes, dtypes, device types and layouts. A mismatch would otherwise
+    sum unrelated gradients, abort gloo (sizes differ) or wait for the timeout (counts differ).
+    Like DDP, checked once per list: one all-gather the first time, nothing after."""
+    key = tuple(id(p) for _, p in named)
+    refs = _checked.get(key)
+    if refs is not None and all(r() is p for r, (_, p) in zip(refs, named)):
+        return
+    mine = [(name, _describe(p)) for name, p in named]
+    everyone: list[Any] = [None] * context().world_size
+    _collective("the parameter check", lambda: dist.all_gather_object(everyone, mine))
+    problems = [d for r in range(1, len(everyone))
+                if (d := _difference(r, everyone[r], everyone[0])) is not None]
+    if problems:
+        more = f"; and {len(problems) - 3} more ranks" if len(problems) > 3 else ""
+        raise ParameterMismatchError(
+            f"the ranks reduce different parameters: {'; '.join(problems[:3])}{more}; every "
+            "rank must pass the same parameters in the same order")
+    _checked[key] = tuple(weakref.ref(p) for _, p in named)
 
 
 def _kind(p: torch.Tensor) -> int:
@@ -386,7 +451,11 @@ def all_reduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, *,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """SUM every parameter's `.grad` over all ranks, in place; call after backward, before step.
 
-    Every rank must pass the same parameters in the same order (`model.parameters()`).
+    Every rank must pass the same parameters in the same order (`model.parameters()`; pass the
+    Module itself to have the names checked too).
+    0. The first time a list is reduced, every rank's list (count, names, shapes, dtypes,
+       device types) is all-gathered and compared; any difference raises
+       `ParameterMismatchError` on every rank, before a gradient moves.
     1. One all-reduce (MAX) of each parameter's gradient kind (none / sparse / dense) so that
        all ranks agree even when a rank has no gradient for a parameter (an empty shard, an
        embedding row set it never touched): such a rank contributes zero. A parameter with
@@ -403,8 +472,12 @@ def all_reduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, *,
        that is sparse on one rank and dense on another (mixed lookups) is treated as dense.
     Every collective is bounded by the process-group timeout; errors become `RankFailedError`.
     """
-    params = _params(params)
-    if not is_distributed() or not params:
+    if not is_distributed():
+        return
+    named = _params(params)
+    _check_same_parameters(named)  # also when the list is empty: a peer's may not be
+    params = [p for _, p in named]
+    if not params:
         return
     kinds = torch.tensor([_kind(p) for p in params], dtype=torch.int64, device=_comm_device())
     _collective("the gradient-kind all-reduce",
@@ -508,7 +581,6 @@ def step(params: Iterable[torch.Tensor] | torch.nn.Module, *,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[None]:
     """`guard()` around the block, then `all_reduce_gradients(params)`: one training step's
     synchronisation. Put the graph building and `backward()` inside, `opt.step()` after."""
-    params = _params(params)
     with guard():
         yield
     all_reduce_gradients(params, bucket_bytes=bucket_bytes)
