@@ -45,7 +45,7 @@ def run_in_threads(*workers: Callable[[], Any], barrier: threading.Barrier) -> l
     return results
 
 
-# ---- threads and tasks ----------------------------------------------------------------------------
+# ---- threads and tasks ---------------------------------------------------------------------------
 def test_threads_each_build_in_their_own_graph():
     barrier = threading.Barrier(2, timeout=TIMEOUT)
 
@@ -95,7 +95,8 @@ def test_asyncio_tasks_each_build_in_their_own_graph():
 
     async def main() -> list[bool]:
         barrier = asyncio.Barrier(2)
-        return await asyncio.gather(task(1.0, barrier), task(2.0, barrier))
+        return await asyncio.wait_for(asyncio.gather(task(1.0, barrier), task(2.0, barrier)),
+                                      TIMEOUT)
 
     assert asyncio.run(main()) == [True, True]
 
@@ -122,7 +123,7 @@ def test_map_batched_in_two_threads_at_once():
                    [(20.0, True), (21.0, True), (22.0, True)]]
 
 
-# ---- re-entering a graph --------------------------------------------------------------------------
+# ---- re-entering a graph -------------------------------------------------------------------------
 def test_reentering_a_graph_closes_it_at_the_outermost_exit():
     outer = fb.current_graph()
     with fb.Graph() as g:
@@ -133,7 +134,21 @@ def test_reentering_a_graph_closes_it_at_the_outermost_exit():
     assert g.closed and fb.current_graph() is outer
 
 
-# ---- new_graph under map_batched ------------------------------------------------------------------
+def test_a_graph_entered_by_two_instances_at_once_closes_at_the_last_exit():
+    with fb.Graph() as g:
+        shared = fb.Graph()
+
+        def fn(i: int) -> bool:
+            with shared:
+                fb.input([float(i)], graph=g).item()    # suspends inside `with shared`
+                inside = fb.current_graph() is shared
+            return inside and fb.current_graph() is g and shared.closed == (i == 1)
+
+        assert fb.map_batched(fn, range(2)) == [True, True]
+        assert fb.current_graph() is g
+
+
+# ---- new_graph under map_batched -----------------------------------------------------------------
 @pytest.mark.parametrize("entered", [False, True], ids=["default graph", "with block"])
 def test_new_graph_inside_map_batched_raises_and_keeps_the_run_graph(entered):
     def fn(i: int) -> float:
@@ -166,7 +181,7 @@ def test_new_graph_after_map_batched_replaces_the_run_graph():
     assert g.closed and fb.current_graph() is fresh
 
 
-# ---- grad mode under map_batched ------------------------------------------------------------------
+# ---- grad mode under map_batched -----------------------------------------------------------------
 def test_no_grad_in_one_instance_does_not_leak_into_the_others():
     seen: dict[Any, bool] = {}
 
@@ -215,3 +230,4 @@ def test_grad_mode_is_restored_when_an_instance_raises():
         with pytest.raises(fb.MapBatchedError):
             fb.map_batched(fn, range(3))
         assert torch.is_grad_enabled()
+

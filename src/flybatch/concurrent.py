@@ -100,25 +100,26 @@ class _Run:
         self.graph = graph
         self.driver = greenlet.getcurrent()
         self.closing = False
+        # Each instance's context is a copy of this one: the caller's, with the run's graph current.
         self.context = contextvars.copy_context()
         self.context.run(_current.set, graph)
-        self.grad_enabled = torch.is_grad_enabled()
+        self.grad_enabled = torch.is_grad_enabled()  # the caller's: instances start in it
 
     def suspend(self, instance: _Instance) -> None:
         """Called in `instance`: wait until the driver has run the next batched forward."""
         self.driver.switch(_SUSPENDED)
 
     def enter(self, instance: _Instance, method: Callable[..., Any], *args: Any) -> Any:
-        """Switch into `instance` (`method`: its switch or throw) in its own grad mode."""
-        saved = torch.is_grad_enabled()
-        if instance.grad_enabled != saved:  # setting costs more than comparing: only on change
+        """Switch into `instance` (`method`: its switch or throw) in its own grad mode; back in
+        the driver, the caller's mode again (set only on a change: setting costs more)."""
+        if instance.grad_enabled != self.grad_enabled:
             torch.set_grad_enabled(instance.grad_enabled)
         try:
             return method(*args)
         finally:
             instance.grad_enabled = torch.is_grad_enabled()
-            if instance.grad_enabled != saved:
-                torch.set_grad_enabled(saved)
+            if instance.grad_enabled != self.grad_enabled:
+                torch.set_grad_enabled(self.grad_enabled)
 
 
 class _Hook:

@@ -203,8 +203,9 @@ class Graph:
         # kernel failure can point there.
         self.origins: dict[int, str] | None = {} if debug else None
         self._idle_since = time.perf_counter()
-        # One token per open `with` block (re-entering nests): each exit restores the graph that
-        # was current before its entry, and only the outermost one closes the graph.
+        # One token per open `with` block (re-entering nests, in one context or several): each
+        # exit restores the graph that was current before its entry, and only the last one
+        # closes the graph.
         self._entries: list[contextvars.Token] = []
         self.map_batched_runs = 0  # `map_batched` calls running on this graph (see new_graph)
 
@@ -408,7 +409,15 @@ class Graph:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _current.reset(self._entries.pop())
+        # This block's token is the last one entered in this context; later ones may belong to
+        # other tasks or `map_batched` instances inside `with` blocks of this same graph.
+        for i in range(len(self._entries) - 1, -1, -1):
+            try:
+                _current.reset(self._entries[i])
+            except ValueError:  # created in another context: not this block's
+                continue
+            del self._entries[i]
+            break
         if not self._entries:
             self.close()
 
@@ -436,8 +445,8 @@ def _user_line() -> str:
 
 # The graph new nodes go to, per thread and per `contextvars` context (an asyncio task, a
 # `map_batched` instance): the innermost `with Graph()` there, else that context's default graph.
-# A new thread starts with no current graph; a copied context (an asyncio task) starts with its
-# creator's, and what it enters or creates afterwards stays its own.
+# A new thread starts with no current graph; a copied context (an asyncio task) shares its
+# creator's until it enters or creates a graph of its own, which then stays its own.
 _current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("flybatch_current_graph",
                                                                         default=None)
 
