@@ -102,7 +102,7 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
         first = int(nodes[0])
         shown = ", ".join(f"#{int(v)}" for v in nodes[:5]) + (", ..." if len(nodes) > 5 else "")
         message = (f"{graph.ops[first].name} kernel failed on a batch of {len(nodes)} node(s) "
-                   f"({shown}; signature {signatures.describe(graph.sigs[first])}): "
+                   f"({shown}; signature {signatures.describe(graph.sigs[first], graph)}): "
                    f"{type(error).__name__}: {error}")
         if graph.origins is not None:
             lines = [graph.origins[int(v)] for v in nodes[:5] if int(v) in graph.origins]

@@ -24,7 +24,6 @@ from . import signatures
 from .errors import GraphError
 
 Shape = tuple[int, ...]
-_signature_ids = signatures._ids  # read directly on the hot path; `intern` adds new keys
 STRATEGIES = ("none", "depth", "agenda")
 
 
@@ -178,6 +177,10 @@ class Graph:
         self.arg_end: list[int] = []
         self.shapes: list[Shape] = []
         self.sigs: list[int] = []
+        # This graph's signature table (see signatures.py): key -> int, and int -> key, which
+        # stays after close so that `stats()` can still describe the launches.
+        self.sig_ids: dict[tuple, int] = {}
+        self.sig_keys: list[tuple] = []
         self.depths: list[int] = []  # longest path from a leaf through pending nodes
         self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
@@ -222,9 +225,9 @@ class Graph:
             self.no_grad_nodes.add(len(self.depths))
         if self.origins is not None:
             self.origins[len(self.depths)] = _user_line()
-        sig = _signature_ids.get(sig_key)
+        sig = self.sig_ids.get(sig_key)
         if sig is None:
-            sig = signatures.intern(sig_key)
+            sig = signatures.intern(self, sig_key)
         # Depth counts pending inputs only: an input computed by an earlier forward is as
         # available as a leaf, so the next forward's scheduling should not wait for it.
         depths, done = self.depths, self.n_done
@@ -403,6 +406,7 @@ class Graph:
         self.values = []
         self.attrs = []
         self._leaf_nodes = {}
+        self.sig_ids = {}
 
     def __enter__(self) -> "Graph":
         self._entries.append(_current.set(self))

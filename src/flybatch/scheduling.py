@@ -47,7 +47,8 @@ class Schedule:
     def describe(self, graph: "Graph") -> str:
         """One line per batch: global index, size and readable signature."""
         return "\n".join(
-            f"{self.first_batch + i:5d}  x{len(b):<5d} {signatures.describe(graph.sigs[int(b[0])])}"
+            f"{self.first_batch + i:5d}  x{len(b):<5d} "
+            f"{signatures.describe(graph.sigs[int(b[0])], graph)}"
             for i, b in enumerate(self.batches))
 
     def __repr__(self) -> str:

@@ -2,35 +2,41 @@
 
 A signature key is a small tuple chosen by the op (see `ops.py`): the op name and whatever the
 batched kernel needs to be identical across the batch (input shapes, the shared parameter's node,
-slice bounds...). Keys are interned once into dense ints, so that scheduling compares and sorts
-plain integers, and `describe` turns an int back into something a person can read in `stats()`.
+slice bounds...). Each graph interns its keys into dense ints of its own (`Graph.add`), so that
+scheduling compares and sorts plain integers, and the table lives and dies with the graph: a
+training loop that meets new shapes in every minibatch keeps none of them. `describe` turns an
+int back into something a person can read in `stats()`.
 """
 
 from __future__ import annotations
 
-_ids: dict[tuple, int] = {}
-_keys: list[tuple] = []
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .graph import Graph
 
 
-def intern(key: tuple) -> int:
-    """The int signature of `key`, allocating a new one the first time a key is seen."""
-    sig = _ids.get(key)
-    if sig is None:
-        sig = _ids[key] = len(_keys)
-        _keys.append(key)
+def intern(graph: "Graph", key: tuple) -> int:
+    """The next int of `graph` for `key`, a key it has not seen yet (`Graph.add` reads the ints
+    of known keys itself: one dict read per node)."""
+    sig = graph.sig_ids[key] = len(graph.sig_keys)
+    graph.sig_keys.append(key)
     return sig
 
 
 def parameter_tag(tensor: object) -> tuple[str, int]:
-    """How a signature key names a shared parameter: by the tensor's identity, which (unlike
-    its node id) is the same in every graph, so the table of signatures does not grow with
-    each minibatch."""
+    """How a signature key names a shared parameter or table: by the tensor's identity."""
     return ("P", id(tensor))
 
 
-def describe(sig: int) -> str:
-    """A readable form of a signature, e.g. `matmul[param](64, 96)(96,)` or `tanh(64,)`."""
-    name, *rest = _keys[sig]
+def describe(sig: int, graph: "Graph | None" = None) -> str:
+    """A readable form of signature `sig` of `graph` (by default the current graph, as for ops),
+    e.g. `matmul[param](64, 96)(96,)` or `tanh(64,)`."""
+    if graph is None:
+        from .graph import current_graph  # graph.py imports this module
+
+        graph = current_graph()
+    name, *rest = graph.sig_keys[sig]
     return name + "".join(_describe(item) for item in rest)
 
 

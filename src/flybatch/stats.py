@@ -59,7 +59,7 @@ class Stats:
 
 def collect(graph: "Graph") -> Stats:
     sizes = Counter(size for _, size in graph.launches)
-    by_sig = Counter(signatures.describe(sig) for sig, _ in graph.launches)
+    by_sig = Counter(signatures.describe(sig, graph) for sig, _ in graph.launches)
     return Stats(graph.strategy, graph.n_nodes, len(graph.launches), sizes, by_sig,
                  graph.gathers, graph.gathers_avoided, dict(graph.seconds),
                  partial(lower_bound, graph, graph.n_nodes))
