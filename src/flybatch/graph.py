@@ -181,6 +181,7 @@ class Graph:
         # stays after close so that `stats()` can still describe the launches.
         self.sig_ids: dict[tuple, int] = {}
         self.sig_keys: list[tuple] = []
+        self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag): see signatures.tag
         self.depths: list[int] = []  # longest path from a leaf through pending nodes
         self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
@@ -260,7 +261,7 @@ class Graph:
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
             self.parameter_nodes.append(node)
-            self.parameter_tags[node] = signatures.parameter_tag(tensor)
+            self.parameter_tags[node] = signatures.tag(self, tensor)
         return node
 
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:
@@ -407,6 +408,7 @@ class Graph:
         self.attrs = []
         self._leaf_nodes = {}
         self.sig_ids = {}
+        self.tags = {}
 
     def __enter__(self) -> "Graph":
         self._entries.append(_current.set(self))

@@ -17,11 +17,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import ops
+from . import ops, signatures
 from .errors import ShapeError
 from .graph import Expression, Op
 from .ops import Operand
-
 
 
 def _uniform(module: nn.Module, hidden_size: int) -> None:
@@ -34,7 +33,7 @@ class FusedModule(nn.Module):
     """A module whose calls create fused nodes.
 
     Its parameters' nodes are looked up once per graph (not once per call), and its signature
-    names the module itself, which is the same in every graph: nodes of one module with equal
+    names the module (by its tag in the graph, `signatures.tag`): nodes of one module with equal
     input shapes share its parameters and batch together.
     """
 
@@ -59,7 +58,7 @@ class FusedModule(nn.Module):
             raise ShapeError(f"{op.name}: argument {k} has shape {shapes[k]}, expected {expect[k]}")
         table = self._parameter_nodes(g)
         args = tuple(nodes) + tuple([table[name] for name in params])
-        return g.add(op, args, shape, (op.name, id(self), shapes, attr), attr)
+        return g.add(op, args, shape, (op.name, signatures.tag(g, self), shapes, attr), attr)
 
 
 class State:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .errors import ShapeError
 from .graph import Expression, Graph, Op, Shape, current_graph
-from .signatures import parameter_tag
+from .signatures import tag
 
 Operand = Any  # an Expression, a torch.Tensor, an ndarray or a Python number
 
@@ -163,7 +163,7 @@ def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | 
         raise IndexError(f"lookup: index {i} out of range for a table of {table.shape[0]} rows")
     g.check_tensor("lookup", table)
     shape = (table.shape[1],)
-    return g.add(LOOKUP, (), shape, ("lookup", parameter_tag(table), sparse, shape) + options,
+    return g.add(LOOKUP, (), shape, ("lookup", tag(g, table), sparse, shape) + options,
                  (table, i, sparse, options))
 
 

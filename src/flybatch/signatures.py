@@ -1,11 +1,15 @@
 """Signatures: the int that says which nodes may run together as one kernel.
 
 A signature key is a small tuple chosen by the op (see `ops.py`): the op name and whatever the
-batched kernel needs to be identical across the batch (input shapes, the shared parameter's node,
+batched kernel needs to be identical across the batch (input shapes, the shared parameter,
 slice bounds...). Each graph interns its keys into dense ints of its own (`Graph.add`), so that
 scheduling compares and sorts plain integers, and the table lives and dies with the graph: a
 training loop that meets new shapes in every minibatch keeps none of them. `describe` turns an
 int back into something a person can read in `stats()`.
+
+A key names a shared object (a parameter, an embedding table, a fused module) by its `tag` in
+the graph, never by `id()`: an object that dies while the graph is open (a module made per
+instance) leaves its id to the next one made, and the nodes of the two would batch together.
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ def intern(graph: "Graph", key: tuple) -> int:
     return sig
 
 
-def parameter_tag(tensor: object) -> tuple[str, int]:
-    """How a signature key names a shared parameter or table: by the tensor's identity."""
-    return ("P", id(tensor))
+def tag(graph: "Graph", obj: object) -> tuple[str, int]:
+    """How `graph`'s signature keys name the shared object `obj`: by the order it was met in.
+
+    The graph holds `obj` beside its tag, so no other object can take its id while the graph is
+    open (`Graph.close` lets go: no node can be added after)."""
+    entry = graph.tags.get(id(obj))
+    if entry is None:
+        entry = graph.tags[id(obj)] = (obj, ("P", len(graph.tags)))
+    return entry[1]
 
 
 def describe(sig: int, graph: "Graph | None" = None) -> str:
