@@ -239,28 +239,38 @@ def check_parameter_lists(rank: int) -> dict:
 
 def worker(scenario: str, outdir: Path) -> None:
     """"train": the three strategies (results saved), the parameter-list checks (results saved),
-    then one more run in which rank 1's per-instance code raises at the second step. "hang":
-    rank 1's per-instance code hangs."""
+    one more run in which rank 1's per-instance code raises at the second step (both ranks
+    stop there and go on), then rank 1 raises outside any step while rank 0 starts another
+    run. "hang": rank 1's per-instance code hangs."""
     ctx = fbd.init(timeout=60 if scenario == "train" else 3)  # reads torchrun's variables
     assert ctx.distributed and ctx.backend == "gloo" and ctx.world_size == 2
+
+    def fail_at(step):
+        if ctx.rank == 1 and step == 1:
+            print(f"FAILING-AT {time.time()}", file=sys.stderr, flush=True)
+            if scenario == "train":
+                raise ValueError("boom in rank 1's instance")
+            time.sleep(60)  # "hang": never reaches the step's collectives
+
     try:
-        if scenario == "train":
-            result = {s: train(s) for s in STRATEGIES}
-            result["throughput"] = fbd.gather_throughput(10 * (ctx.rank + 1), 2.0)
-            result["scalars"] = fbd.sum_scalars([ctx.rank + 1, 0.5])
-            result["any"] = [fbd.any_rank(ctx.rank == 1), fbd.any_rank(False)]
-            torch.save(result, outdir / f"rank{ctx.rank}.pt")
-            checks = check_parameter_lists(ctx.rank)
-            (outdir / f"checks{ctx.rank}.json").write_text(json.dumps(checks))
-
-        def fail_at(step):
-            if ctx.rank == 1 and step == 1:
-                print(f"FAILING-AT {time.time()}", file=sys.stderr, flush=True)
-                if scenario == "train":
-                    raise ValueError("boom in rank 1's instance")
-                time.sleep(60)  # "hang": never reaches the step's collectives
-
-        train("agenda", fail_at=fail_at)
+        if scenario == "hang":
+            train("agenda", fail_at=fail_at)
+        result = {s: train(s) for s in STRATEGIES}
+        result["throughput"] = fbd.gather_throughput(10 * (ctx.rank + 1), 2.0)
+        result["scalars"] = fbd.sum_scalars([ctx.rank + 1, 0.5])
+        result["any"] = [fbd.any_rank(ctx.rank == 1), fbd.any_rank(False)]
+        torch.save(result, outdir / f"rank{ctx.rank}.pt")
+        checks = check_parameter_lists(ctx.rank)
+        (outdir / f"checks{ctx.rank}.json").write_text(json.dumps(checks))
+        try:
+            train("agenda", fail_at=fail_at)
+        except fbd.RankFailedError:  # both ranks stop at this step, and the group stays usable
+            traceback.print_exc()
+            print(f"STOPPED-AT {time.time()}", file=sys.stderr, flush=True)
+        if ctx.rank == 1:
+            print(f"LEAVING-AT {time.time()}", file=sys.stderr, flush=True)
+            raise ValueError("boom outside the step")
+        train("agenda")  # rank 0 waits for rank 1 in the first step's failure check
     except BaseException:
         print(f"EXITING-AT {time.time()}", file=sys.stderr, flush=True)
         raise
@@ -370,7 +380,21 @@ def test_a_raising_rank_stops_every_rank_at_once(pairs):
     for rank, (code, err) in enumerate([(code0, err0), (code1, err1)]):
         assert code not in (0, None), f"rank {rank}: {code}\n{err[-3000:]}"
         assert "RankFailedError: rank 1 failed: ValueError: boom in rank 1's instance" in err, err
-    assert stamp(err0, "EXITING-AT") - stamp(err1, "FAILING-AT") < 10
+    assert stamp(err0, "STOPPED-AT") - stamp(err1, "FAILING-AT") < 10
+
+
+def test_a_rank_raising_outside_the_step_stops_every_rank_at_once(pairs):
+    # Last, rank 1 raises between steps, where no guard sees it, while rank 0 enters a step.
+    # Rank 1's `finally: fbd.shutdown()` leaves at once (no barrier: rank 0 will never reach
+    # it) and rank 0's pending failure check raises, naming rank 1's error: both ranks exit
+    # within seconds, not after the 60 s collective timeout.
+    (code0, err0), (code1, err1) = pairs["train"].results()
+    assert code1 not in (0, None) and "ValueError: boom outside the step" in err1, err1
+    assert code0 not in (0, None), err0
+    assert "RankFailedError: rank 0: the failure check failed: rank 1 failed and left: " \
+           "ValueError: boom outside the step" in err0, err0
+    exited = max(stamp(err0, "EXITED-AT"), stamp(err1, "EXITED-AT"))
+    assert exited - stamp(err1, "LEAVING-AT") < 20
 
 
 def test_ranks_passing_different_parameters_all_raise_the_same_clear_error(pairs):
@@ -419,6 +443,7 @@ if __name__ == "__main__":
     except BaseException:
         traceback.print_exc()
         code = 1
+    print(f"EXITED-AT {time.time()}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip the interpreter's teardown of torch: seconds on a loaded machine

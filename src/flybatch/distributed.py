@@ -35,14 +35,16 @@ buckets dense gradients like DDP does and keeps sparse embedding gradients spars
 
 Failures: a rank that raises inside `step()` / `guard()` still takes part in a tiny all-reduce
 of per-rank failure flags, so EVERY rank raises `RankFailedError("rank 1 failed: ...")` at the
-same step instead of waiting forever in the gradient all-reduce. A rank that dies or hangs
-outside the guard is caught by the backstop: every collective is bounded by the process-group
-`timeout` given to `init`, and a collective error is re-raised as a `RankFailedError` that
-says so. Ranks that reduce different parameter lists (a model built differently on one rank)
-all raise `ParameterMismatchError` naming the difference, found by comparing the lists once,
-the first time each is reduced. Without a process group (plain `python script.py`, or a
-world of one) every function here is a cheap local no-op, so the same script runs
-single-process unchanged.
+same step instead of waiting forever in the gradient all-reduce. A rank that raises outside
+the guard leaves at once from its `finally: shutdown()`, with a note in the rendezvous store,
+so the peers waiting for it raise `RankFailedError("... rank 1 failed and left: ...")` at once
+rather than at the timeout. A rank that dies or hangs is caught by the backstop: every
+collective is bounded by the process-group `timeout` given to `init`, and a collective error
+is re-raised as a `RankFailedError` that says so. Ranks that reduce different parameter lists
+(a model built differently on one rank) all raise `ParameterMismatchError` naming the
+difference, found by comparing the lists once, the first time each is reduced. Without a
+process group (plain `python script.py`, or a world of one) every function here is a cheap
+local no-op, so the same script runs single-process unchanged.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import contextlib
 import datetime
 import heapq
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
@@ -173,20 +176,39 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta = DEFAU
     return _ctx
 
 
+_LEFT = "flybatch/left"  # rendezvous-store key: why failing ranks left, one line each
+
+
 def shutdown() -> None:
-    """Leave the process group (if `init` created it). Safe to call twice or after a failure."""
+    """Leave the process group (if `init` created it). Safe to call twice.
+
+    On success the ranks leave together (a barrier). Called while an exception propagates
+    (the `finally:` of a failing script, or an `except` block), this rank failed, and its
+    peers may be waiting for it in a collective it will never join: it writes why to the
+    rendezvous store and leaves at once. Closing its connections wakes the waiting peers, whose
+    collective raises `RankFailedError("rank 0: ... failed: rank 1 failed and left: ...")`.
+    """
     global _ctx
     ctx, _ctx = _ctx, None
     _checked.clear()  # a later group may hold other ranks, with other parameters
-    if ctx is not None and ctx.owns_group and dist.is_initialized():
+    if ctx is None or not ctx.owns_group or not dist.is_initialized():
+        return
+    error = sys.exc_info()[1]
+    if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
         # Leave together: a rank that tears its connections down while a peer still talks to
-        # it makes gloo abort that peer. The barrier is bounded by the group's timeout, and
-        # after a failure (a dead peer) it simply fails.
+        # it makes gloo abort that peer. The barrier fails at once if a failing peer left
+        # first (closed connections), or after the group's timeout if a peer hangs.
         try:
             dist.barrier()
-        except Exception:  # noqa: BLE001 - shutting down anyway
+        except RuntimeError:
             pass
-        dist.destroy_process_group()
+    else:
+        try:
+            dist.distributed_c10d._get_default_store().append(
+                _LEFT, f"rank {ctx.rank} failed and left: {_summary(error)}\n")
+        except RuntimeError:  # the store lives in rank 0, which may have left already
+            pass
+    dist.destroy_process_group()
 
 
 def context() -> Context:
@@ -216,18 +238,35 @@ def _comm_device() -> torch.device:
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
 
+def _summary(exc: BaseException) -> str:
+    """"Type: first line of the message", on one line."""
+    text = str(exc).strip()
+    return type(exc).__name__ + (f": {text.splitlines()[0]}" if text else "")
+
+
+def _left_notes() -> str:
+    """Why failed peers left, as their `shutdown` wrote it; "" if none did (it died, or hangs)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return "; ".join(store.get(_LEFT).decode().splitlines()) if store.check([_LEFT]) else ""
+    except RuntimeError:  # the store lives in rank 0, which may be gone
+        return ""
+
+
 def _collective(what: str, fn: Callable[[], Any]) -> Any:
-    """Run a collective; a peer that died or timed out becomes a clear `RankFailedError`."""
+    """Run a collective; a peer that failed, died or timed out becomes a clear
+    `RankFailedError`: the peer's own reason when it left one, else what gloo / NCCL said."""
     try:
         return fn()
     except RankFailedError:
         raise
     except RuntimeError as exc:  # gloo / NCCL errors (DistBackendError is a RuntimeError)
         ctx = context()
-        raise RankFailedError(
-            f"rank {ctx.rank}: {what} failed: a peer process died or did not reach it within "
-            f"the timeout ({ctx.timeout.total_seconds():g} s); see the other ranks' logs. "
-            f"Cause: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from exc
+        why = _left_notes() or (
+            f"a peer process died or did not reach it within the timeout "
+            f"({ctx.timeout.total_seconds():g} s); see the other ranks' logs. "
+            f"Cause: {_summary(exc)}")
+        raise RankFailedError(f"rank {ctx.rank}: {what} failed: {why}") from exc
 
 
 # ---- sharding --------------------------------------------------------------------------------
