@@ -181,7 +181,7 @@ class Graph:
         # stays after close so that `stats()` can still describe the launches.
         self.sig_ids: dict[tuple, int] = {}
         self.sig_keys: list[tuple] = []
-        self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag): see signatures.tag
+        self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
         self.depths: list[int] = []  # longest path from a leaf through pending nodes
         self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each

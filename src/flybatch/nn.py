@@ -19,7 +19,7 @@ from torch import nn
 
 from . import ops, signatures
 from .errors import ShapeError
-from .graph import Expression, Op
+from .graph import Expression, Graph, Op
 from .ops import Operand
 
 
@@ -37,14 +37,18 @@ class FusedModule(nn.Module):
     input shapes share its parameters and batch together.
     """
 
-    def _parameter_nodes(self, g) -> dict[str, int]:
-        cache = self.__dict__.get("_fb_nodes")
-        if cache is None or cache[0] is not g:
+    def _in_graph(self, g: Graph) -> tuple:
+        """This module's entry in `g`: (the module, its tag, its parameters' nodes by name).
+
+        The graph keeps it, not the module: a closed graph is freed however long the module
+        lives, and a copy of the module is a module of its own.
+        """
+        entry = g.tags.get(id(self))
+        if entry is None:
             nodes = {name: g.parameter_node(p) for name, p in self._parameters.items()
                      if p is not None}
-            cache = (g, nodes)
-            object.__setattr__(self, "_fb_nodes", cache)  # plain attribute: no Module hooks
-        return cache[1]
+            entry = signatures.remember(g, self, nodes)
+        return entry
 
     def _fused(self, op: Op, inputs: Sequence[Operand], expect: tuple, params: Sequence[str],
                shape: tuple[int, ...], attr: object = None) -> Expression:
@@ -56,9 +60,9 @@ class FusedModule(nn.Module):
         if shapes != expect:
             k = next(k for k, (s, e) in enumerate(zip(shapes, expect)) if s != e)
             raise ShapeError(f"{op.name}: argument {k} has shape {shapes[k]}, expected {expect[k]}")
-        table = self._parameter_nodes(g)
+        _, tag, table = self._in_graph(g)
         args = tuple(nodes) + tuple([table[name] for name in params])
-        return g.add(op, args, shape, (op.name, signatures.tag(g, self), shapes, attr), attr)
+        return g.add(op, args, shape, (op.name, tag, shapes, attr), attr)
 
 
 class State:

@@ -29,14 +29,22 @@ def intern(graph: "Graph", key: tuple) -> int:
 
 
 def tag(graph: "Graph", obj: object) -> tuple[str, int]:
-    """How `graph`'s signature keys name the shared object `obj`: by the order it was met in.
-
-    The graph holds `obj` beside its tag, so no other object can take its id while the graph is
-    open (`Graph.close` lets go: no node can be added after)."""
+    """How `graph`'s signature keys name the shared object `obj`: by the order it was met in."""
     entry = graph.tags.get(id(obj))
     if entry is None:
-        entry = graph.tags[id(obj)] = (obj, ("P", len(graph.tags)))
+        entry = remember(graph, obj)
     return entry[1]
+
+
+def remember(graph: "Graph", obj: object, *facts: object) -> tuple:
+    """Make `graph`'s entry for `obj`: `(obj, a fresh tag, *facts)`, `facts` being what its owner
+    needs once per graph rather than once per call (a fused module's parameter nodes).
+
+    The entry holds `obj`, so no other object can take its id while the graph is open, and the
+    graph holds the entry, so `obj` keeps nothing of the graph. `Graph.close` drops the entries
+    (no node can be added after)."""
+    entry = graph.tags[id(obj)] = (obj, ("P", len(graph.tags)), *facts)
+    return entry
 
 
 def describe(sig: int, graph: "Graph | None" = None) -> str:
