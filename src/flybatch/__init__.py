@@ -6,6 +6,11 @@
         loss.backward()                          # one batched forward, one batched backward
 """
 
+try:
+    from . import _core  # noqa: F401  (the compiled core: the stages below call into it)
+except ImportError as error:
+    raise ImportError("the compiled core of flybatch is not built: run `pip install -e .` "
+                      "(needs a C++17 compiler)") from error
 from .errors import ExecutionError, GraphError, ShapeError
 from .graph import Expression, Graph, current_graph, new_graph
 from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, dropout, emax, esum,
