@@ -4,8 +4,9 @@ The multi-process tests start real ranks: this file run as a script (`python
 tests/test_distributed.py <scenario> <outdir>`) with torchrun's environment variables (RANK,
 WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port>), so `fbd.init()` takes the same
 path as under torchrun. A process costs seconds (importing torch), so one pair trains with all
-three strategies, then passes mismatched parameter lists, then fails on purpose (a raising
-rank), while a second pair (a hanging rank) runs side by side.
+three strategies, then passes mismatched parameter lists, then fails on purpose twice (a rank
+raising inside a step, then one raising outside), while a second pair (a hanging rank) runs
+side by side.
 """
 
 from __future__ import annotations
@@ -255,22 +256,23 @@ def worker(scenario: str, outdir: Path) -> None:
     try:
         if scenario == "hang":
             train("agenda", fail_at=fail_at)
-        result = {s: train(s) for s in STRATEGIES}
-        result["throughput"] = fbd.gather_throughput(10 * (ctx.rank + 1), 2.0)
-        result["scalars"] = fbd.sum_scalars([ctx.rank + 1, 0.5])
-        result["any"] = [fbd.any_rank(ctx.rank == 1), fbd.any_rank(False)]
-        torch.save(result, outdir / f"rank{ctx.rank}.pt")
-        checks = check_parameter_lists(ctx.rank)
-        (outdir / f"checks{ctx.rank}.json").write_text(json.dumps(checks))
-        try:
-            train("agenda", fail_at=fail_at)
-        except fbd.RankFailedError:  # both ranks stop at this step, and the group stays usable
-            traceback.print_exc()
-            print(f"STOPPED-AT {time.time()}", file=sys.stderr, flush=True)
-        if ctx.rank == 1:
-            print(f"LEAVING-AT {time.time()}", file=sys.stderr, flush=True)
-            raise ValueError("boom outside the step")
-        train("agenda")  # rank 0 waits for rank 1 in the first step's failure check
+        else:
+            result = {s: train(s) for s in STRATEGIES}
+            result["throughput"] = fbd.gather_throughput(10 * (ctx.rank + 1), 2.0)
+            result["scalars"] = fbd.sum_scalars([ctx.rank + 1, 0.5])
+            result["any"] = [fbd.any_rank(ctx.rank == 1), fbd.any_rank(False)]
+            torch.save(result, outdir / f"rank{ctx.rank}.pt")
+            checks = check_parameter_lists(ctx.rank)
+            (outdir / f"checks{ctx.rank}.json").write_text(json.dumps(checks))
+            try:
+                train("agenda", fail_at=fail_at)
+            except fbd.RankFailedError:  # both ranks stop at this step; the group stays usable
+                traceback.print_exc()
+                print(f"STOPPED-AT {time.time()}", file=sys.stderr, flush=True)
+            if ctx.rank == 1:
+                print(f"LEAVING-AT {time.time()}", file=sys.stderr, flush=True)
+                raise ValueError("boom outside the step")
+            train("agenda")  # rank 0 waits for rank 1 in the first step's failure check
     except BaseException:
         print(f"EXITING-AT {time.time()}", file=sys.stderr, flush=True)
         raise
@@ -374,8 +376,8 @@ def test_two_ranks_equal_one_process_for_every_strategy(pairs):
 
 
 def test_a_raising_rank_stops_every_rank_at_once(pairs):
-    # After training, rank 1's per-instance code raises: both ranks exit with the same clear
-    # error at that step, long before the 60 s collective timeout.
+    # After training, rank 1's per-instance code raises: both ranks raise the same clear error
+    # at that step, long before the 60 s collective timeout (and exit non-zero in the end).
     (code0, err0), (code1, err1) = pairs["train"].results()
     for rank, (code, err) in enumerate([(code0, err0), (code1, err1)]):
         assert code not in (0, None), f"rank {rank}: {code}\n{err[-3000:]}"
