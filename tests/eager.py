@@ -54,7 +54,7 @@ def _t(x: Any) -> torch.Tensor:
     g = _graph()
     if isinstance(x, numbers.Real):
         return torch.tensor(float(x), dtype=g.dtype, device=g.device)
-    return torch.as_tensor(np.asarray(x, dtype=np.float64)).to(g.device, g.dtype)
+    return torch.tensor(np.asarray(x, dtype=np.float64)).to(g.device, g.dtype)  # a copy
 
 
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -64,8 +64,8 @@ def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
 # ---- leaves --------------------------------------------------------------------------------
 def input(x: Any, graph: Any = None) -> torch.Tensor:  # noqa: A001 - flybatch's name
     g = _graph()
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(g.device, g.dtype)
+    if isinstance(x, torch.Tensor):  # the value at the call, whatever happens to x later
+        return x.detach().to(g.device, g.dtype, copy=True)
     return _t(x)
 
 
