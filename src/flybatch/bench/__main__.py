@@ -6,6 +6,7 @@
     python -m flybatch.bench report [--out FILE] [--run-id ID]   # tables + charts again
     torchrun --nproc-per-node 2 -m flybatch.bench TASK --distributed [...]  # data-parallel
     python -m flybatch.bench overhead [--sizes 10000 100000 1000000]  # cost per node
+    python -m flybatch.bench quality [--instances 20]   # launches vs bound, literature models
 
 TASK: bilstm-synthetic, bilstm, bilstm-char, treelstm, parser, or all. Results are appended
 as JSON lines to --out (default bench-results/results.jsonl); the markdown table (the paper's
@@ -66,6 +67,10 @@ def main(argv=None) -> int:
     if argv[:1] == ["overhead"]:  # the per-node cost microbenchmark has its own options
         from flybatch.bench import overhead
         overhead.main(argv[1:])
+        return 0
+    if argv[:1] == ["quality"]:  # launches vs the lower bound on the literature's families
+        from flybatch.bench import quality
+        quality.main(argv[1:])
         return 0
     args = parse_args(argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):

@@ -1,0 +1,297 @@
+"""Dynamic graphs unlike the five benchmark tasks: the model families of the autobatching
+literature (ED-Batch, ACRoBat, Cavs, TensorFlow Fold), written here from their descriptions.
+
+Every family is per-instance code written ONCE against a backend namespace `B` (`flybatch`, or
+the tests' eager twin with the same names), so the same code measures batching quality
+(`python -m flybatch.bench quality`) and is checked against eager PyTorch (tests/test_workloads.py).
+A family is `Family(name, make_params, make_instance, loss)`: `make_instance(rng)` draws one
+instance's structure (a tree, a lattice, a DAG...), `loss(B, params, instance)` writes its graph.
+Structures are plain Python data drawn from a seeded `random.Random`, so both backends see the
+same instances.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+H = 8       # hidden size
+VOCAB = 20
+LABELS = 3
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    make_instance: Callable[[random.Random], Any]
+    loss: Callable[[Any, dict, Any], Any]
+    value_requests: bool = False  # asks for values mid-instance: run under map_batched
+
+
+def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One parameter set shared by every family (each uses the names it needs)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int) -> torch.nn.Parameter:
+        scale = 1.0 / max(1, shape[-1]) ** 0.5
+        return torch.nn.Parameter((torch.randn(*shape, generator=gen, dtype=torch.float64)
+                                   * scale).to(dtype))
+
+    names = {
+        "E": (VOCAB, H), "Wz": (H, 2 * H), "Wr": (H, 2 * H), "Wh": (H, 2 * H), "bz": (H,),
+        "bh": (H,), "M1": (H, H), "m1": (H,), "M2": (LABELS, H), "W_in": (4 * H, H),
+        "W_rec": (4 * H, H), "b_g": (4 * H,), "Wf": (H, H), "Uf": (H, H), "bf": (H,),
+        "W_add": (H, 2 * H), "W_sub": (H, 2 * H), "W_mul": (H, 2 * H), "W_max": (H, 2 * H),
+        "b_op": (H,), "A": (H, H), "Bm": (H, H), "W_comp": (H, 2 * H), "b_comp": (H,),
+        "W_track": (H, 3 * H), "b_track": (H,), "W_iou": (3 * H, H), "U_iou": (3 * H, H),
+        "b_iou": (3 * H,), "W_exit": (1, H),
+    }
+    return {name: p(*shape) for name, shape in names.items()}
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+def _mlp_loss(B, P, h, label: int):
+    """The per-node classifier of tree models: a hidden layer and a softmax loss."""
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], B.tanh(B.affine(P["M1"], h, P["m1"]))), label)
+
+
+def _random_tree(rng: random.Random, size: int):
+    """A random binary tree over `size` leaves: a word id, or a (left, right) pair."""
+    if size == 1:
+        return rng.randrange(VOCAB)
+    left = rng.randint(1, size - 1)
+    return (_random_tree(rng, left), _random_tree(rng, size - left))
+
+
+# ---- Tree-GRU with a per-node MLP ----------------------------------------------------------------
+def _tree_gru(B, P, tree, losses: list):
+    if isinstance(tree, int):
+        h = B.lookup(P["E"], tree)
+    else:
+        hl, hr = _tree_gru(B, P, tree[0], losses), _tree_gru(B, P, tree[1], losses)
+        x = B.concat([hl, hr])
+        z = B.sigmoid(B.affine(P["Wz"], x, P["bz"]))
+        r = B.sigmoid(B.matmul(P["Wr"], x))
+        cand = B.tanh(B.affine(P["Wh"], B.concat([r * hl, r * hr]), P["bh"]))
+        h = z * hl + (1.0 - z) * cand
+    losses.append(_mlp_loss(B, P, h, len(losses) % LABELS))
+    return h
+
+
+def tree_gru_loss(B, P, tree):
+    losses: list = []
+    _tree_gru(B, P, tree, losses)
+    return B.esum(losses)
+
+
+# ---- lattice LSTM ----------------------------------------------------------------------------------
+def make_lattice(rng: random.Random):
+    """A word lattice: positions 0..n, an edge per character and some multi-character words;
+    each position's state averages the states of the edges that end there."""
+    n = rng.randint(3, 9)
+    edges = [(i, i + 1, rng.randrange(VOCAB)) for i in range(n)]
+    edges += [(i, i + k, rng.randrange(VOCAB)) for i in range(n) for k in (2, 3)
+              if i + k <= n and rng.random() < 0.35]
+    return n, sorted(edges, key=lambda e: e[1])
+
+
+def _lstm_step(B, P, x, h, c):
+    gates = B.affine(P["W_in"], x, P["b_g"]) + B.matmul(P["W_rec"], h)
+    i, f = B.sigmoid(gates[0:H]), B.sigmoid(gates[H:2 * H])
+    g, o = B.tanh(gates[2 * H:3 * H]), B.sigmoid(gates[3 * H:4 * H])
+    c = f * c + i * g
+    return o * B.tanh(c), c
+
+
+def lattice_loss(B, P, lattice):
+    n, edges = lattice
+    states = {0: (B.zeros(H), B.zeros(H))}
+    arriving: dict[int, list] = {}
+    for start, end, word in edges:  # sorted by end: a position is final before it is left
+        if start not in states:
+            hs, cs = zip(*arriving[start])
+            states[start] = (B.average(list(hs)), B.average(list(cs)))
+        arriving.setdefault(end, []).append(_lstm_step(B, P, B.lookup(P["E"], word),
+                                                       *states[start]))
+    hs = [h for h, _ in arriving[n]]
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], B.average(hs)), n % LABELS)
+
+
+# ---- random DAG of mixed ops ----------------------------------------------------------------
+def make_dag(rng: random.Random):
+    n = rng.randint(4, 14)
+    return [(rng.choice(("tanh", "sigmoid", "add", "mul", "A", "Bm", "comp")),
+             rng.randrange(VOCAB), [rng.randrange(i + 1) for _ in range(2)]) for i in range(n)]
+
+
+def dag_loss(B, P, dag):
+    values = [B.lookup(P["E"], dag[0][1])]
+    for op, word, (a, b) in dag:
+        x, y = values[a], values[b]
+        if op in ("tanh", "sigmoid"):
+            out = getattr(B, op)(x + B.lookup(P["E"], word))
+        elif op == "add":
+            out = x + y
+        elif op == "mul":
+            out = x * B.tanh(y)
+        elif op == "comp":
+            out = B.tanh(B.affine(P["W_comp"], B.concat([x, y]), P["b_comp"]))
+        else:
+            out = B.tanh(B.matmul(P[op], x))
+        values.append(out)
+    return B.sum_elems(B.esum(values[1:]))
+
+
+# ---- expression-tree calculator: an operator type per node ----------------------------------------
+def make_expression(rng: random.Random):
+    def draw(depth: int):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.randrange(VOCAB)
+        return (rng.choice(("add", "sub", "mul", "max")), draw(depth - 1), draw(depth - 1))
+    return draw(rng.randint(1, 5)), rng.randrange(LABELS)
+
+
+def _evaluate(B, P, tree):
+    if isinstance(tree, int):
+        return B.lookup(P["E"], tree)
+    op, left, right = tree
+    x = B.concat([_evaluate(B, P, left), _evaluate(B, P, right)])
+    return B.tanh(B.affine(P["W_" + op], x, P["b_op"]))
+
+
+def calculator_loss(B, P, instance):
+    tree, label = instance
+    return _mlp_loss(B, P, _evaluate(B, P, tree), label)
+
+
+# ---- SPINN: shift-reduce over a stack with a tracker ------------------------------------------
+def make_transitions(rng: random.Random):
+    """A valid shift/reduce sequence over a random binary tree (its post-order)."""
+    out: list = []
+
+    def walk(t):
+        if isinstance(t, int):
+            out.append(("shift", t))
+        else:
+            walk(t[0])
+            walk(t[1])
+            out.append(("reduce", None))
+    walk(_random_tree(rng, rng.randint(2, 9)))
+    return out
+
+
+def spinn_loss(B, P, transitions):
+    stack: list = []
+    buffer_top = B.zeros(H)
+    tracker = B.zeros(H)
+    for kind, word in transitions:
+        top = stack[-1] if stack else B.zeros(H)
+        second = stack[-2] if len(stack) > 1 else B.zeros(H)
+        tracker = B.tanh(B.affine(P["W_track"], B.concat([top, second, buffer_top]),
+                                  P["b_track"]) + tracker)
+        if kind == "shift":
+            buffer_top = B.lookup(P["E"], word)
+            stack.append(buffer_top)
+        else:
+            right, left = stack.pop(), stack.pop()
+            stack.append(B.tanh(B.affine(P["W_comp"], B.concat([left, right]), P["b_comp"])
+                                + tracker))
+    return _mlp_loss(B, P, stack[-1], len(transitions) % LABELS)
+
+
+# ---- child-sum Tree-LSTM over 0-4 children ------------------------------------------------------
+def make_nary_tree(rng: random.Random, depth: int = 4):
+    arity = 0 if depth == 0 else rng.choice((0, 1, 2, 2, 3, 4))
+    return rng.randrange(VOCAB), [make_nary_tree(rng, depth - 1) for _ in range(arity)]
+
+
+def _child_sum(B, P, tree, losses: list):
+    word, children = tree
+    x = B.lookup(P["E"], word)
+    states = [_child_sum(B, P, child, losses) for child in children]
+    if states:
+        h_sum = B.esum([h for h, _ in states])
+        iou = B.affine(P["W_iou"], x, P["b_iou"]) + B.matmul(P["U_iou"], h_sum)
+    else:
+        iou = B.affine(P["W_iou"], x, P["b_iou"])
+    i, o, u = B.sigmoid(iou[0:H]), B.sigmoid(iou[H:2 * H]), B.tanh(iou[2 * H:3 * H])
+    c = i * u
+    if states:
+        fx = B.affine(P["Wf"], x, P["bf"])
+        c = c + B.esum([B.sigmoid(fx + B.matmul(P["Uf"], h)) * ck for h, ck in states])
+    h = o * B.tanh(c)
+    losses.append(_mlp_loss(B, P, h, word % LABELS))
+    return h, c
+
+
+def child_sum_loss(B, P, tree):
+    losses: list = []
+    _child_sum(B, P, tree, losses)
+    return B.esum(losses)
+
+
+# ---- hierarchical RNN: words per sentence, then sentences ------------------------------------
+def make_document(rng: random.Random):
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+            for _ in range(rng.randint(1, 4))]
+
+
+def document_loss(B, P, document):
+    h_doc, c_doc = B.zeros(H), B.zeros(H)
+    for sentence in document:
+        h, c = B.zeros(H), B.zeros(H)
+        for word in sentence:
+            h, c = _lstm_step(B, P, B.lookup(P["E"], word), h, c)
+        h_doc, c_doc = _lstm_step(B, P, h, h_doc, c_doc)
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], h_doc), len(document) % LABELS)
+
+
+# ---- early exit: a value-dependent number of steps (map_batched) ----------------------------
+def make_early_exit(rng: random.Random):
+    return [rng.randrange(VOCAB) for _ in range(rng.randint(2, 8))]
+
+
+def early_exit_loss(B, P, words):
+    """An RNN that stops reading once its exit score says so (asks for a value each step)."""
+    h = B.zeros(H)
+    for word in words:
+        h = B.tanh(B.affine(P["M1"], h, P["m1"]) + B.lookup(P["E"], word))
+        if _value(B.sum_elems(B.matmul(P["W_exit"], h))).item() > 0.5:
+            break
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], h), len(words) % LABELS)
+
+
+def _value(x):
+    return x.value() if hasattr(x, "value") else x
+
+
+FAMILIES = (
+    Family("tree-gru-mlp", lambda rng: _random_tree(rng, rng.randint(2, 9)), tree_gru_loss),
+    Family("lattice-lstm", make_lattice, lattice_loss),
+    Family("random-dag", make_dag, dag_loss),
+    Family("calculator", make_expression, calculator_loss),
+    Family("spinn", make_transitions, spinn_loss),
+    Family("child-sum-treelstm", make_nary_tree, child_sum_loss),
+    Family("hierarchical-rnn", make_document, document_loss),
+    Family("early-exit", make_early_exit, early_exit_loss, value_requests=True),
+)
+
+
+def family(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def instances(fam: Family, n: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    return [fam.make_instance(rng) for _ in range(n)]
+
+
+def build(fb, fam: Family, params: dict, items: list) -> list:
+    """The per-instance losses of `items` in the current graph (map_batched if the family asks
+    for values)."""
+    if fam.value_requests:
+        return fb.map_batched(lambda item: fam.loss(fb, params, item), items)
+    return [fam.loss(fb, params, item) for item in items]

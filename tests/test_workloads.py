@@ -1,0 +1,43 @@
+"""Dynamic graphs from the autobatching literature (flybatch.bench.workloads): every strategy
+computes eager PyTorch's values and gradients, and batching never launches more kernels than
+TensorFlow Fold's depth rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eager
+import flybatch as fb
+from flybatch.bench import workloads
+from flybatch.graph import STRATEGIES
+
+F64 = torch.float64
+TOL = eager.TOLERANCE[F64]
+N_INSTANCES = 12
+
+
+def _train_step(B, graph_kind, fam, strategy):
+    params = workloads.make_params(F64)
+    items = workloads.instances(fam, N_INSTANCES, seed=3)
+    with graph_kind(strategy=strategy, dtype=F64) as g:
+        losses = workloads.build(B, fam, params, items) if B is fb else \
+            [fam.loss(B, params, item) for item in items]
+        loss = B.esum(losses)
+        loss.backward()
+        value = float(g.forward([loss])[0].detach())
+        batches = g.stats().batches if B is fb else None
+    return value, [p.grad for p in params.values()], batches
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("fam", workloads.FAMILIES, ids=lambda f: f.name)
+def test_every_workload_family_matches_eager(fam, strategy, one_thread):
+    value, grads, _ = _train_step(fb, fb.Graph, fam, strategy)
+    ref_value, ref_grads, _ = _train_step(eager, eager.Graph, fam, "eager")
+    assert value == pytest.approx(ref_value, rel=TOL, abs=TOL)
+    for name, g, r in zip(workloads.make_params(F64), grads, ref_grads):
+        assert (g is None) == (r is None), f"gradient presence of {name}"
+        if r is not None:
+            torch.testing.assert_close(g, r, rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
