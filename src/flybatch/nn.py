@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import ops, signatures
+from . import kernels, ops, signatures
 from .errors import ShapeError
 from .graph import Expression, Graph, Op
 from .ops import Operand
@@ -174,7 +174,7 @@ class MLP(nn.Module):
 def _lstm_kernel(xs, attr, shape):
     projected, hc, w_hh = xs
     h, c = _split(hc, shape[0] // 2)
-    gates = projected + h @ w_hh.squeeze(0).T
+    gates = projected + kernels.linear(h, w_hh.squeeze(0))
     i, f, g, o = gates.chunk(4, 1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.cat([torch.sigmoid(o) * torch.tanh(c), c], 1)
@@ -255,8 +255,8 @@ class LSTM(nn.Module):
 # ---- GRU -----------------------------------------------------------------------------------------
 def _gru_kernel(xs, attr, shape):
     x, h, w_ih, w_hh, b_ih, b_hh = xs
-    gx = torch.addmm(b_ih.squeeze(0), x, w_ih.squeeze(0).T)
-    gh = h @ w_hh.squeeze(0).T + b_hh.squeeze(0)
+    gx = kernels.linear(x, w_ih.squeeze(0), b_ih.squeeze(0))
+    gh = kernels.linear(h, w_hh.squeeze(0), b_hh.squeeze(0))
     rx, zx, nx = gx.chunk(3, 1)
     rh, zh, nh = gh.chunk(3, 1)
     r, z = torch.sigmoid(rx + rh), torch.sigmoid(zx + zh)
@@ -301,7 +301,7 @@ def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
 
 def _tree_leaf_kernel(xs, attr, shape):
     x, w, b = xs
-    return _finish(torch.addmm(b.squeeze(0), x, w.squeeze(0).T), None)
+    return _finish(kernels.linear(x, w.squeeze(0), b.squeeze(0)), None)
 
 
 def _nary_kernel(xs, attr, shape):
@@ -311,9 +311,9 @@ def _nary_kernel(xs, attr, shape):
     u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
     size = max(t.shape[0] for t in xs[:n])
     children = torch.cat([h.expand(size, -1) for h in hs], 1)
-    iou = torch.addmm(b_iou.squeeze(0), children, u_iou.squeeze(0).T)
+    iou = kernels.linear(children, u_iou.squeeze(0), b_iou.squeeze(0))
     if has_x:
-        iou = iou + x @ xs[-1].squeeze(0).T
+        iou = iou + kernels.linear(x, xs[-1].squeeze(0))
     u_fs = u_f.squeeze(0).unbind(0)  # unbind: its backward stacks, no zero-filled copies
     c = sum(torch.sigmoid(torch.addmm(b_f.squeeze(0), h, u_fs[k].T)) * ck
             for k, (h, ck) in enumerate(zip(hs, cs)))
@@ -324,12 +324,12 @@ def _child_sum_kernel(xs, attr, shape):
     n = attr
     hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in xs[:n]]) if n else ((), ())
     x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[n:]
-    iou = torch.addmm(b_iou.squeeze(0), x, w_iou.squeeze(0).T)
+    iou = kernels.linear(x, w_iou.squeeze(0), b_iou.squeeze(0))
     if n == 0:
         return _finish(iou, None)
-    iou = iou + sum(hs[1:], hs[0]) @ u_iou.squeeze(0).T
-    fx = torch.addmm(b_f.squeeze(0), x, w_f.squeeze(0).T)
-    c = sum(torch.sigmoid(fx + h @ u_f.squeeze(0).T) * ck for h, ck in zip(hs, cs))
+    iou = iou + kernels.linear(sum(hs[1:], hs[0]), u_iou.squeeze(0))
+    fx = kernels.linear(x, w_f.squeeze(0), b_f.squeeze(0))
+    c = sum(torch.sigmoid(fx + kernels.linear(h, u_f.squeeze(0))) * ck for h, ck in zip(hs, cs))
     return _finish(iou, c)
 
 

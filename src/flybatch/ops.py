@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .errors import ShapeError
 from .graph import Expression, Graph, Op, Shape, current_graph
 from .signatures import tag
@@ -237,7 +238,8 @@ def _matmul_kernel(xs, attr, shape):
     if a_vec and b_vec:  # dot product of two vectors
         return (a * b).sum(-1)
     if b_vec:  # matrix @ vector: a shared W gives ONE [B, n] x [n, m] product
-        return b @ a.squeeze(0).T if a.shape[0] == 1 else (a @ b.unsqueeze(-1)).squeeze(-1)
+        return kernels.linear(b, a.squeeze(0)) if a.shape[0] == 1 else \
+            (a @ b.unsqueeze(-1)).squeeze(-1)
     if a_vec:  # vector @ matrix
         return a @ b.squeeze(0) if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
     return torch.matmul(a, b)  # matrix @ matrix, batched (bmm), broadcasting a shared operand
@@ -260,7 +262,7 @@ def matmul(a: Operand, b: Operand) -> Expression:
 def _affine_kernel(xs, attr, shape):
     w, x, b = xs
     if w.shape[0] == 1 and b.shape[0] == 1:
-        return torch.addmm(b.squeeze(0), x, w.squeeze(0).T)
+        return kernels.linear(x, w.squeeze(0), b.squeeze(0))
     return (w @ x.unsqueeze(-1)).squeeze(-1) + b
 
 

@@ -1,0 +1,174 @@
+"""Batched kernels at the machine's speed: the GEMM path of shared-weight products.
+
+Every product with a shared parameter (`W @ x`, `affine`, the fused cells) goes through
+`linear(x, W, b)`. On a CPU in float32 it can run through oneDNN with the weight prepacked into
+oneDNN's blocked layout (`mkldnn._linear_pointwise`), which beats MKL's `addmm` on this
+machine for most of flybatch's shapes (about 107 vs 87-99 GFLOP/s on one core, more for thin
+batches; see BENCHMARKS.md) and loses on tiny outputs, where its ~12 us call overhead dominates.
+So the path is chosen per shape class by a one-time calibration against the default, and a
+weight is packed once per parameter version (an optimizer step makes a new version) and reused
+by every launch. float64, CUDA and non-parameter operands use the default path (cuBLAS as is).
+
+`set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) forces
+a path; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+GEMM_MODES = ("default", "auto", "onednn")
+gemm_counts: dict[str, int] = {"default": 0, "onednn": 0}
+
+_mode = "auto"
+# (m bucket, k, n, transposed) -> "default" | "onednn", measured once per process.
+_decisions: dict[tuple[int, int, int, bool], str] = {}
+
+
+def set_gemm(mode: str) -> None:
+    """Force the GEMM path of shared-weight products: "default" (torch's own: MKL, cuBLAS),
+    "onednn" (prepacked oneDNN wherever it applies) or "auto" (the faster, per shape class)."""
+    global _mode
+    if mode not in GEMM_MODES:
+        raise ValueError(f"set_gemm: mode must be one of {GEMM_MODES}, got {mode!r}")
+    _mode = mode
+
+
+def get_gemm() -> str:
+    return _mode
+
+
+set_gemm(os.environ.get("FLYBATCH_GEMM", "auto"))
+
+
+# ---- packed weights, one per parameter version ------------------------------------------------
+class _Pack:
+    """A parameter's oneDNN-packed weight (and its transpose, for backward's dX = dY W) as of
+    one version. `source` keeps the packed storage alive, so that an equal `data_ptr` can only
+    mean the same storage, whose in-place writes bump the version counter."""
+
+    __slots__ = ("source", "version", "packed", "packed_t")
+
+    def __init__(self, source: torch.Tensor):
+        self.source, self.version = source, source._version
+        self.packed = self.packed_t = None
+
+
+_packs: dict[int, _Pack] = {}  # id of the parameter -> its pack; dropped with the parameter
+
+
+def _root(w: torch.Tensor) -> torch.Tensor | None:
+    """The parameter `w` is a view of (kernels see `W.unsqueeze(0)` squeezed), or None when `w`
+    is a computed or per-instance matrix: packing one that lives for a single launch never pays."""
+    root = w if w._base is None else w._base
+    return root if root.is_leaf and root.requires_grad else None
+
+
+def _packed(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    root = _root(w)
+    key = id(root)
+    pack = _packs.get(key)
+    if pack is None:
+        weakref.finalize(root, _packs.pop, key, None)
+    if pack is None or pack.version != w._version or pack.source.data_ptr() != w.data_ptr() \
+            or pack.source.shape != w.shape or pack.source.stride() != w.stride():
+        pack = _packs[key] = _Pack(w.detach())
+    if transposed:
+        if pack.packed_t is None:
+            pack.packed_t = torch.ops.mkldnn._reorder_linear_weight(pack.source.t().contiguous())
+        return pack.packed_t
+    if pack.packed is None:
+        pack.packed = torch.ops.mkldnn._reorder_linear_weight(pack.source)
+    return pack.packed
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+            transposed: bool = False) -> torch.Tensor:
+    """`x @ w.T + b` (`x @ w` with `transposed`) through oneDNN with `w` prepacked."""
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(w, transposed), b, "none", [], "")
+
+
+def _default(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+             transposed: bool = False) -> torch.Tensor:
+    return F.linear(x, w.t() if transposed else w, b)
+
+
+# ---- choosing the path ----------------------------------------------------------------------------
+def _bucket(m: int) -> int:
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str:
+    """The faster path on these very operands: best of five alternating runs each (the machine
+    is shared, so the minimum, not the mean)."""
+    runs: dict[str, list[float]] = {"default": [], "onednn": []}
+    paths: dict[str, Callable] = {"default": _default, "onednn": _onednn}
+    with torch.no_grad():
+        for _ in range(5):
+            for name, path in paths.items():
+                start = time.perf_counter()
+                path(x, w, b, transposed)
+                runs[name].append(time.perf_counter() - start)
+    return min(runs, key=lambda name: min(runs[name]))
+
+
+def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str:
+    if _mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.dim() != 2 or w.dim() != 2 or _root(w) is None:
+        return "default"
+    if _mode == "onednn":
+        return "onednn"
+    n, k = (w.shape[1], w.shape[0]) if transposed else w.shape
+    key = (_bucket(x.shape[0]), k, n, transposed)
+    path = _decisions.get(key)
+    if path is None:
+        path = _decisions[key] = _calibrate(x, w, b, transposed)
+    return path
+
+
+# ---- the product ----------------------------------------------------------------------------------
+class _Linear(torch.autograd.Function):
+    """`x @ w.T + b` with the forward and dX = dY W through packed oneDNN; dW = dY^T X stays
+    on MKL's `mm`, as fast here as oneDNN and without the transposed copies oneDNN needs."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _onednn(x, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _product(dy, w, None, transposed=True)
+        if ctx.needs_input_grad[1]:
+            dw = dy.t().mm(x)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+             transposed: bool = False) -> torch.Tensor:
+    path = _path(x, w, b, transposed)
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or b is not None and b.requires_grad)
+    if transposed and grad:  # dX of a double backward: autograd must see the product
+        path = "default"
+    gemm_counts[path] += 1
+    if path == "default":
+        return _default(x, w, b, transposed)
+    return _Linear.apply(x, w, b) if grad else _onednn(x, w, b, transposed)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path."""
+    return _product(x, w, b)

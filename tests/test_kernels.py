@@ -1,0 +1,127 @@
+"""The fast kernels compute what the default ones compute.
+
+The oneDNN GEMM path (forced, so that it runs whatever the calibration would pick) gives the
+values and gradients of torch's own product; it never serves a stale packed weight after an
+optimizer step; float64 stays on the default path; and whole models train the same on either.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flybatch as fb
+from flybatch import kernels
+
+F32 = torch.float32
+
+
+@pytest.fixture
+def gemm():
+    """Run a test under a forced GEMM path; the process's mode is restored afterwards."""
+    before = kernels.get_gemm()
+    yield kernels.set_gemm
+    kernels.set_gemm(before)
+
+
+def weights(n: int, k: int, seed: int = 0) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.nn.Parameter(torch.randn(n, k, generator=gen)),
+            torch.nn.Parameter(torch.randn(n, generator=gen)))
+
+
+def test_set_gemm_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="onednn"):
+        kernels.set_gemm("fast")
+
+
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_onednn_linear_equals_torch_linear_forward_and_backward(gemm, m):
+    gemm("onednn")
+    w, b = weights(24, 16)
+    x = torch.randn(m, 16, requires_grad=True)
+    before = kernels.gemm_counts["onednn"]
+    y = kernels.linear(x, w, b)
+    assert kernels.gemm_counts["onednn"] == before + 1
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    grads = x.grad, w.grad, b.grad
+    x.grad = w.grad = b.grad = None
+    expected = torch.nn.functional.linear(x, w, b)
+    expected.backward(dy)
+    torch.testing.assert_close(y, expected)
+    for ours, theirs in zip(grads, (x.grad, w.grad, b.grad)):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_a_packed_weight_is_never_stale_after_an_optimizer_step(gemm):
+    gemm("onednn")
+    w, b = weights(8, 4)
+    x = torch.randn(5, 4)
+    kernels.linear(x, w, b).sum().backward()
+    torch.optim.SGD([w, b], lr=0.5).step()
+    torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    with torch.no_grad():
+        w.data = torch.randn(8, 4)  # rebound, not updated in place
+    torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_float64_and_computed_weights_take_the_default_path(gemm):
+    gemm("onednn")
+    w, b = weights(8, 4)
+    before = dict(kernels.gemm_counts)
+    kernels.linear(torch.randn(3, 4, dtype=torch.float64), w.double(), b.double())
+    kernels.linear(torch.randn(3, 4), w * 2, b)  # a computed matrix: nothing to pack once
+    assert kernels.gemm_counts["default"] == before["default"] + 2
+    assert kernels.gemm_counts["onednn"] == before["onednn"]
+
+
+def test_auto_mode_picks_a_path_once_per_shape_class(gemm):
+    gemm("auto")
+    w, b = weights(32, 16)
+    kernels.linear(torch.randn(40, 16), w, b)
+    decided = dict(kernels._decisions)
+    kernels.linear(torch.randn(50, 16), w, b)  # the same m bucket: no new calibration
+    assert kernels._decisions == decided
+    assert (64, 16, 32, False) in decided
+
+
+def train_tree_lstm(mode: str) -> tuple[list[float], list[torch.Tensor]]:
+    """Three SGD steps of an fp32 Tree-LSTM with a loss at every node, under GEMM `mode`."""
+    kernels.set_gemm(mode)
+    torch.manual_seed(0)
+    H = 16
+    cell, out = fb.nn.TreeLSTMCell(H, H), fb.nn.Linear(H, 5)
+    emb = torch.nn.Parameter(torch.randn(30, H) * 0.1)
+    params = [emb, *cell.parameters(), *out.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    trees = [((1, 2), (3, (4, 5))), (((6, 7), 8), 9), (10, 11)]
+    losses = []
+
+    def node(tree, losses_of_tree):
+        if isinstance(tree, int):
+            state = cell.leaf(fb.lookup(emb, tree))
+        else:
+            state = cell([node(child, losses_of_tree) for child in tree])
+        losses_of_tree.append(fb.pick_neg_log_softmax(out(state.h), 1))
+        return state
+
+    for _ in range(3):
+        opt.zero_grad()
+        with fb.Graph():
+            parts = []
+            for tree in trees:
+                node(tree, parts)
+            loss = fb.esum(parts)
+            losses.append(loss.item())
+            loss.backward()
+        opt.step()
+    return losses, [p.detach().clone() for p in params]
+
+
+def test_a_model_trains_the_same_on_the_onednn_and_default_paths(gemm):
+    fast_losses, fast_params = train_tree_lstm("onednn")
+    losses, params = train_tree_lstm("default")
+    assert fast_losses == pytest.approx(losses, rel=1e-5)
+    for ours, theirs in zip(fast_params, params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
