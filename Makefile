@@ -26,8 +26,10 @@ clean:
 
 # The test suite once against a core built with AddressSanitizer and UBSan. The build goes to
 # build/asan with a copy of the package, so the regular core stays as it is. Python itself is
-# not instrumented: the sanitizer runtime is preloaded, and leak checks are off because CPython
-# keeps some memory until exit by design.
+# not instrumented: the sanitizer runtime is preloaded (with libstdc++, which python does not
+# link, so that ASan finds the C++ runtime it intercepts), leak checks are off because CPython
+# keeps some memory until exit by design, and pytest captures only Python's output so that a
+# sanitizer report reaches the terminal.
 ASAN := build/asan
 asan: $(STAMP)
 	rm -rf $(ASAN)
@@ -35,9 +37,10 @@ asan: $(STAMP)
 	cp -r src/flybatch $(ASAN)/flybatch
 	rm -f $(ASAN)/flybatch/*.so
 	FLYBATCH_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib $(ASAN) --build-temp $(ASAN)/obj
-	PYTHONPATH=$(ASAN) LD_PRELOAD=$$(g++ -print-file-name=libasan.so) \
+	PYTHONPATH=$(ASAN) \
+	LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	$(PY) -m pytest -x -q -p no:cacheprovider
+	$(PY) -m pytest -x -q -p no:cacheprovider --capture=sys
 
 # DyNet 2.1.2 peer environment (.venv-peers) for the dynet-* benchmark modes; compiles
 # DyNet (several minutes). Never part of `make test`.

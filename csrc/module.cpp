@@ -1,13 +1,307 @@
 // flybatch._core: the Python bindings of the compiled core, and nothing else. Each stage's
-// algorithms live in their own file over plain arrays; a binding here reads the Python
-// arguments, calls the stage and translates errors. To add a stage: write <stage>.cpp/.h, wrap
-// its functions below and list them in kMethods (setup.py compiles every csrc/*.cpp).
+// algorithms live in their own file (schedule.cpp, ...) over plain arrays; a binding here reads
+// the Python arguments, calls the stage and translates errors. To add a stage: write
+// <stage>.cpp/.h, wrap its functions below like py_schedule, and list them in kMethods
+// (setup.py compiles every csrc/*.cpp).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <new>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "schedule.h"
+
 namespace {
 
+using flybatch::i64;
+
+// A Python exception is already set: unwind to the binding, which returns NULL.
+struct PythonError {};
+
+// Runs a binding's body, turning C++ exceptions into Python ones.
+template <class Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const PythonError&) {
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+[[noreturn]] void fail(PyObject* type, const std::string& message) {
+  PyErr_SetString(type, message.c_str());
+  throw PythonError{};
+}
+
+// Items begin..end-1 of a list of ints (the node store of graph.py keeps lists), minus `shift`,
+// into `out`: about 10x faster than numpy converting the same list.
+void read_ints(PyObject* list, const char* name, i64 begin, i64 end, i64* out, i64 shift = 0) {
+  if (!PyList_Check(list)) fail(PyExc_TypeError, std::string(name) + " must be a list of ints");
+  if (begin < 0 || end > PyList_GET_SIZE(list))
+    fail(PyExc_ValueError, std::string(name) + " has " + std::to_string(PyList_GET_SIZE(list)) +
+                               " items; items " + std::to_string(begin) + ".." +
+                               std::to_string(end - 1) + " were asked for");
+  for (i64 i = begin; i < end; ++i) {
+    const long long x = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    if (x == -1 && PyErr_Occurred()) throw PythonError{};
+    out[i - begin] = x - shift;
+  }
+}
+
+// Offsets of the inputs of nodes begin..end-1 (graph.arg_end) relative to their first input,
+// into out[0..n]; returns the global offset of that first input.
+i64 read_arg_ptr(PyObject* arg_end, i64 begin, i64 end, i64* out) {
+  i64 first = 0;
+  if (begin > 0) read_ints(arg_end, "arg_end", begin - 1, begin, &first);
+  out[0] = 0;
+  read_ints(arg_end, "arg_end", begin, end, out + 1, first);
+  return first;
+}
+
+// A writable, C-contiguous int64 buffer (a numpy array) of at least `size` items, held for the
+// duration of a call.
+class Int64Buffer {
+ public:
+  Int64Buffer(PyObject* obj, const char* name, i64 size) {
+    if (PyObject_GetBuffer(obj, &view_, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+      throw PythonError{};
+    const std::string format = view_.format ? view_.format : "B";
+    const bool int64 =
+        view_.itemsize == 8 && !format.empty() && (format.back() == 'l' || format.back() == 'q');
+    if (!int64 || view_.len / 8 < size) {
+      PyBuffer_Release(&view_);
+      fail(PyExc_ValueError, std::string(name) + " must be an int64 array of at least " +
+                                 std::to_string(size) + " items");
+    }
+  }
+  ~Int64Buffer() { PyBuffer_Release(&view_); }
+  Int64Buffer(const Int64Buffer&) = delete;
+  Int64Buffer& operator=(const Int64Buffer&) = delete;
+
+  i64* data() const { return static_cast<i64*>(view_.buf); }
+
+ private:
+  Py_buffer view_{};
+};
+
+// `leaf` and `cheap` of the ops of a list (graph.ops), read once per distinct op object.
+class OpTable {
+ public:
+  explicit OpTable(PyObject* ops) : ops_(ops) {
+    if (!PyList_Check(ops)) fail(PyExc_TypeError, "ops must be a list of Op");
+  }
+  ~OpTable() {
+    for (auto& [op, flags] : seen_) Py_DECREF(op);
+  }
+  OpTable(const OpTable&) = delete;
+  OpTable& operator=(const OpTable&) = delete;
+
+  flybatch::OpFlags operator()(i64 node) {
+    if (node >= PyList_GET_SIZE(ops_)) fail(PyExc_IndexError, "ops is shorter than the graph");
+    PyObject* op = PyList_GET_ITEM(ops_, node);
+    const auto found = seen_.find(op);
+    if (found != seen_.end()) return found->second;
+    const flybatch::OpFlags flags{flag(op, "leaf"), flag(op, "cheap")};
+    Py_INCREF(op);  // the key must outlive this call even if the list changes
+    seen_.emplace(op, flags);
+    return flags;
+  }
+
+ private:
+  static bool flag(PyObject* op, const char* name) {
+    PyObject* value = PyObject_GetAttrString(op, name);
+    if (!value) throw PythonError{};
+    const int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (truth < 0) throw PythonError{};
+    return truth;
+  }
+
+  PyObject* ops_;
+  std::unordered_map<PyObject*, flybatch::OpFlags> seen_;
+};
+
+// A count of nodes that the core's 32-bit local ids can hold.
+flybatch::Local node_count(i64 begin, i64 end) {
+  if (begin < 0 || end < begin) fail(PyExc_ValueError, "need 0 <= start <= end");
+  if (end - begin >= INT32_MAX) fail(PyExc_OverflowError, "2^31 nodes or more in one forward");
+  return static_cast<flybatch::Local>(end - begin);
+}
+
+// The store's nodes begin..end-1 as the core reads them: their signatures, their depths when
+// asked for, and their inputs (graph.arg_end, graph.arg_flat) as a CSR array relative to the
+// slice, kept here or, when the caller passes arrays for them, written straight into those.
+class StoreSlice {
+ public:
+  StoreSlice(PyObject* sigs, PyObject* depths, PyObject* arg_end, PyObject* arg_flat, i64 begin,
+             i64 end, PyObject* arg_ptr_out = nullptr, PyObject* arg_flat_out = nullptr) {
+    nodes.start = begin;
+    nodes.n = node_count(begin, end);
+    sig_.resize(nodes.n);
+    read_ints(sigs, "sigs", begin, end, sig_.data());
+    nodes.sig = sig_.data();
+    if (depths) {
+      depth_.resize(nodes.n);
+      read_ints(depths, "depths", begin, end, depth_.data());
+      nodes.depth = depth_.data();
+    }
+    i64* ptr = storage(arg_ptr_out, "arg_ptr_out", ptr_out_, ptr_, nodes.n + 1);
+    const i64 first = read_arg_ptr(arg_end, begin, end, ptr);
+    if (ptr[nodes.n] < 0) fail(PyExc_ValueError, "arg_end must not decrease");
+    i64* flat = storage(arg_flat_out, "arg_flat_out", flat_out_, flat_, ptr[nodes.n]);
+    read_ints(arg_flat, "arg_flat", first, first + ptr[nodes.n], flat);
+    nodes.arg_ptr = ptr;
+    nodes.arg_flat = flat;
+    flybatch::check_nodes(nodes);
+  }
+
+  flybatch::Nodes nodes;
+
+ private:
+  static i64* storage(PyObject* out, const char* name, std::optional<Int64Buffer>& buffer,
+                      std::vector<i64>& own, i64 size) {
+    if (!out) {
+      own.resize(size);
+      return own.data();
+    }
+    buffer.emplace(out, name, size);
+    return buffer->data();
+  }
+
+  std::vector<i64> sig_, depth_, ptr_, flat_;
+  std::optional<Int64Buffer> ptr_out_, flat_out_;
+};
+
+flybatch::Strategy strategy_of(const std::string& name) {
+  if (name == "none") return flybatch::Strategy::none;
+  if (name == "depth") return flybatch::Strategy::depth;
+  if (name == "agenda") return flybatch::Strategy::agenda;
+  fail(PyExc_ValueError, "unknown strategy " + name);
+}
+
+const char kScheduleDoc[] =
+    "schedule(strategy, start, end, sigs, depths, arg_end, arg_flat, ops, node_batch, node_row,\n"
+    "         first_batch, arg_ptr_out, arg_flat_out, order_out, ends_out) -> int\n\n"
+    "Batch the store's nodes start..end-1 ('none', 'depth' or 'agenda'). Writes each node's\n"
+    "(batch, row) into node_batch/node_row, this forward's inputs as a CSR array (arg_ptr_out,\n"
+    "relative to arg_flat_out) and the node ids of the batches, in batch and row order, into\n"
+    "order_out, with the end of each batch in ends_out. Returns the number of batches.";
+
+PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {
+      "strategy",   "start",       "end",         "sigs",         "depths",
+      "arg_end",    "arg_flat",    "ops",         "node_batch",   "node_row",
+      "first_batch", "arg_ptr_out", "arg_flat_out", "order_out",   "ends_out", nullptr};
+  const char* strategy_name;
+  long long start, end, first_batch;
+  PyObject *sigs, *depths, *arg_end, *arg_flat, *ops, *node_batch, *node_row, *arg_ptr_out,
+      *arg_flat_out, *order_out, *ends_out;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sLLOOOOOOOLOOOO:schedule",
+                                   const_cast<char**>(names), &strategy_name, &start, &end, &sigs,
+                                   &depths, &arg_end, &arg_flat, &ops, &node_batch, &node_row,
+                                   &first_batch, &arg_ptr_out, &arg_flat_out, &order_out,
+                                   &ends_out))
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    const flybatch::Strategy strategy = strategy_of(strategy_name);
+    // This forward's inputs go straight into the arrays the executor reads them from.
+    const StoreSlice store(sigs, depths, arg_end, arg_flat, start, end, arg_ptr_out, arg_flat_out);
+    const flybatch::Nodes& nodes = store.nodes;
+    Int64Buffer batch_of(node_batch, "node_batch", end), row_of(node_row, "node_row", end);
+    Int64Buffer order(order_out, "order_out", nodes.n), ends(ends_out, "ends_out", nodes.n);
+    flybatch::Placement out;
+    out.node_batch = batch_of.data();
+    out.node_row = row_of.data();
+    out.first_batch = first_batch;
+    out.order = order.data();
+    out.ends = ends.data();
+    OpTable table(ops);
+    return PyLong_FromLongLong(
+        flybatch::schedule(strategy, nodes, [&](i64 node) { return table(node); }, out));
+  });
+}
+
+const char kLowerBoundDoc[] =
+    "lower_bound(n, sigs, arg_end, arg_flat, ops, forward_ends) -> int\n\n"
+    "Launches no schedule of the store's first n nodes can beat: in each forward (forward_ends:\n"
+    "where each ended; nodes after the last are one more), for each signature the most nodes of\n"
+    "it on one dependency path, summed.";
+
+PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"n", "sigs", "arg_end", "arg_flat", "ops", "forward_ends", nullptr};
+  long long n;
+  PyObject *sigs, *arg_end, *arg_flat, *ops, *forward_ends;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOO:lower_bound", const_cast<char**>(names),
+                                   &n, &sigs, &arg_end, &arg_flat, &ops, &forward_ends))
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
+    if (!PyList_Check(forward_ends)) fail(PyExc_TypeError, "forward_ends must be a list of ints");
+    std::vector<i64> ends(PyList_GET_SIZE(forward_ends));
+    read_ints(forward_ends, "forward_ends", 0, static_cast<i64>(ends.size()), ends.data());
+    std::vector<i64> cuts;  // forwards that ended within the first n nodes, then the rest
+    for (std::size_t i = 0; i < ends.size(); ++i) {
+      if (ends[i] <= (i ? ends[i - 1] : 0)) fail(PyExc_ValueError, "forward_ends must ascend");
+      if (ends[i] < n) cuts.push_back(ends[i]);
+    }
+    if (n > 0) cuts.push_back(n);
+    OpTable table(ops);
+    return PyLong_FromLongLong(
+        flybatch::lower_bound(store.nodes, cuts, [&](i64 node) { return table(node); }));
+  });
+}
+
+const char kRanksDoc[] =
+    "signature_ranks(start, end, sigs, arg_end, arg_flat, ops) -> list[int]\n\n"
+    "For each of the store's nodes start..end-1 (one forward), the most nodes of its signature\n"
+    "on any path of that forward ending at it; leaves (no launch) get 0. The agenda runs each\n"
+    "(signature, rank) group as one batch; the lower bound sums each signature's highest rank.";
+
+PyObject* py_signature_ranks(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"start", "end", "sigs", "arg_end", "arg_flat", "ops", nullptr};
+  long long start, end;
+  PyObject *sigs, *arg_end, *arg_flat, *ops;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLOOOO:signature_ranks",
+                                   const_cast<char**>(names), &start, &end, &sigs, &arg_end,
+                                   &arg_flat, &ops))
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, start, end);
+    OpTable table(ops);
+    const std::vector<std::int32_t> ranks =
+        flybatch::signature_ranks(store.nodes, [&](i64 node) { return table(node); });
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(ranks.size()));
+    if (!list) throw PythonError{};
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      PyObject* rank = PyLong_FromLong(ranks[i]);
+      if (!rank) {
+        Py_DECREF(list);
+        throw PythonError{};
+      }
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), rank);
+    }
+    return list;
+  });
+}
+
 PyMethodDef kMethods[] = {
+    {"schedule", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_schedule)),
+     METH_VARARGS | METH_KEYWORDS, kScheduleDoc},
+    {"lower_bound", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_lower_bound)),
+     METH_VARARGS | METH_KEYWORDS, kLowerBoundDoc},
+    {"signature_ranks",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_signature_ranks)),
+     METH_VARARGS | METH_KEYWORDS, kRanksDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,10 +1,11 @@
-"""`python -m flybatch.bench overhead`: what flybatch itself costs per node, at three graph sizes.
+"""`python -m flybatch.bench overhead`: what flybatch itself costs per node, at four graph sizes.
 
 The graph is a minibatch of RNN-like sequences of random lengths (a lookup, an affine
 transform, an add and a tanh per step; a loss per sequence), the shape of the paper's workloads.
 Building is timed from the first op call to the last (Python only: no torch work happens then),
 scheduling is `scheduling.schedule` on the whole graph. Costs per node should be flat across
-sizes (linear total cost); the floors are 1 us per node for building and 0.5 us for scheduling.
+sizes (linear total cost); the floors (issue 10) are 0.5 us per node for building, 0.15 us for
+agenda scheduling and 0.1 us for depth scheduling. One thread: the cost of flybatch itself.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flybatch.bench overhead",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000])
     parser.add_argument("--strategies", nargs="+", default=["agenda", "depth"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
     rows = [measure(size, s, args.repeats if size < 1_000_000 else 1)
             for size in args.sizes for s in args.strategies]
     print("| nodes | strategy | build us/node | schedule us/node | batches |")

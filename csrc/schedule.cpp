@@ -1,0 +1,503 @@
+// The scheduling stage (see schedule.h). Every pass is linear in nodes + edges, apart from
+// sorting the distinct signatures and the batches whose nodes became ready in several pieces.
+#include "schedule.h"
+
+#include <algorithm>
+#include <numeric>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace flybatch {
+namespace {
+
+// Numbers int64 keys in order of first appearance (open addressing, linear probing). Interned
+// signature ids number every signature of the graph, so a forward of 100 nodes must not pay for
+// a table indexed by all of them.
+class KeyNumbers {
+ public:
+  // The number of `key`; a new key gets the next unused number.
+  std::int32_t number(i64 key) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    Slot& slot = find(key);
+    if (slot.number < 0) slot = {key, static_cast<std::int32_t>(size_++)};
+    return slot.number;
+  }
+
+ private:
+  struct Slot {
+    i64 key = 0;
+    std::int32_t number = -1;  // -1: empty
+  };
+
+  Slot& find(i64 key) {
+    const std::size_t mask = slots_.size() - 1;
+    // Fibonacci hashing: interned ids are small consecutive ints, the top bits spread them.
+    std::size_t i = (static_cast<std::uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> (64 - bits_);
+    while (slots_[i].number >= 0 && slots_[i].key != key) i = (i + 1) & mask;
+    return slots_[i];
+  }
+
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    bits_ = old.empty() ? 6 : bits_ + 1;
+    slots_.assign(std::size_t{1} << bits_, Slot{});
+    for (const Slot& slot : old)
+      if (slot.number >= 0) find(slot.key) = slot;
+  }
+
+  std::vector<Slot> slots_;
+  int bits_ = 0;
+  std::size_t size_ = 0;
+};
+
+// The signatures of a forward renumbered 0..count-1 in ascending order of their interned ids:
+// the order in which the schedules break ties between signatures.
+struct Signatures {
+  std::vector<std::int32_t> of;  // per node
+  std::vector<Local> first;      // per signature: its first node
+  std::size_t count() const { return first.size(); }
+};
+
+Signatures compact_signatures(const Nodes& nodes) {
+  KeyNumbers numbers;
+  Signatures sigs;
+  sigs.of.resize(nodes.n);
+  std::vector<Local> first;
+  std::int32_t last = -1;  // consecutive nodes often share a signature: skip the lookup
+  for (Local v = 0; v < nodes.n; ++v) {
+    if (last < 0 || nodes.sig[v] != nodes.sig[first[last]]) {
+      last = numbers.number(nodes.sig[v]);
+      if (last == static_cast<std::int32_t>(first.size())) first.push_back(v);
+    }
+    sigs.of[v] = last;
+  }
+  std::vector<std::int32_t> by_key(first.size());
+  std::iota(by_key.begin(), by_key.end(), 0);
+  std::sort(by_key.begin(), by_key.end(), [&](std::int32_t a, std::int32_t b) {
+    return nodes.sig[first[a]] < nodes.sig[first[b]];
+  });
+  std::vector<std::int32_t> renumber(first.size());
+  sigs.first.resize(first.size());
+  for (std::size_t i = 0; i < by_key.size(); ++i) {
+    renumber[by_key[i]] = static_cast<std::int32_t>(i);
+    sigs.first[i] = first[by_key[i]];
+  }
+  for (std::int32_t& s : sigs.of) s = renumber[s];
+  return sigs;
+}
+
+std::vector<OpFlags> signature_flags(const Nodes& nodes, const Signatures& sigs,
+                                     const OpFlagsOf& flags_of) {
+  std::vector<OpFlags> flags(sigs.count());
+  for (std::size_t s = 0; s < flags.size(); ++s) flags[s] = flags_of(nodes.start + sigs.first[s]);
+  return flags;
+}
+
+template <class Visit>
+void for_each_input(const Nodes& nodes, Local v, Visit&& visit) {
+  for (i64 e = nodes.arg_ptr[v]; e < nodes.arg_ptr[v + 1]; ++e)
+    if (nodes.arg_flat[e] >= nodes.start)
+      visit(static_cast<Local>(nodes.arg_flat[e] - nodes.start));
+}
+
+// Per-node sparse counts (signature -> count) in one pool, each node's as one block behind a
+// header {owner, length}. Freed blocks are reclaimed by compacting the pool once it is mostly
+// dead, so it never holds much more than twice the live counts, without a heap allocation per
+// node.
+class CountPool {
+ public:
+  struct Entry {
+    std::int32_t sig, count;
+  };
+
+  explicit CountPool(Local n) : at_(n, -1) {}
+
+  const Entry* begin(Local v) const { return at_[v] < 0 ? nullptr : &pool_[at_[v] + 1]; }
+  const Entry* end(Local v) const {
+    return at_[v] < 0 ? nullptr : &pool_[at_[v] + 1] + pool_[at_[v]].count;
+  }
+
+  // Writes node v's block: open(v, at most `length` entries), add() each entry, close(v).
+  void open(Local v, std::size_t length) {
+    if (size_ > 2 * live_ + kSlack) compact();
+    if (size_ + length + 1 > pool_.size()) pool_.resize(2 * (size_ + length + 1));
+    open_ = size_;
+    pool_[size_++] = {v, 0};
+  }
+  void add(std::int32_t sig, std::int32_t count) { pool_[size_++] = {sig, count}; }
+  void close(Local v) {
+    const std::size_t length = size_ - open_ - 1;
+    if (length == 0) {
+      size_ = open_;
+      return;
+    }
+    pool_[open_].count = static_cast<std::int32_t>(length);
+    at_[v] = static_cast<i64>(open_);
+    live_ += length + 1;
+  }
+
+  void free(Local v) {
+    if (at_[v] < 0) return;
+    live_ -= pool_[at_[v]].count + 1;
+    at_[v] = -1;
+  }
+
+ private:
+  static constexpr std::size_t kSlack = 4096;  // entries; avoids compacting tiny pools
+
+  void compact() {
+    std::size_t write = 0;
+    for (std::size_t read = 0; read < size_;) {
+      const Local owner = pool_[read].sig;
+      const std::size_t length = pool_[read].count + 1;
+      if (at_[owner] == static_cast<i64>(read)) {
+        std::copy(pool_.begin() + read, pool_.begin() + read + length, pool_.begin() + write);
+        at_[owner] = static_cast<i64>(write);
+        write += length;
+      }
+      read += length;
+    }
+    size_ = write;
+  }
+
+  std::vector<Entry> pool_;  // entries 0..size_-1 are in use
+  std::vector<i64> at_;      // per node: its block's header in pool_, -1 when it keeps none
+  std::size_t size_ = 0;
+  std::size_t open_ = 0;
+  std::size_t live_ = 0;
+};
+
+// count_v[s] = [v counted and sig(v) = s] + max over inputs u of count_u[s];
+// rank(v) = count_v[sig(v)].
+//
+// A dense table count[node, signature] costs nodes x signatures (2.9 GB for 168k nodes of
+// 4,006 signatures). But edges always go to a deeper node, so count_v[s] can only matter to a
+// node deeper than v: a node keeps its counts only for signatures that have a node deeper than
+// it (a signature whose nodes all sit at one depth is never kept: its ranks are all 1), and
+// only until its last consumer has read them. Time is then edges x the signatures a node keeps
+// and memory the live nodes x the same, whatever the number of signatures in the graph: a node
+// of one instance keeps the few signatures of its instance's path.
+std::vector<std::int32_t> ranks_of(const Nodes& nodes, const Signatures& sigs,
+                                   const std::vector<OpFlags>& flags) {
+  const Local n = nodes.n;
+  // Depth along this forward's edges (computed here, so the invariant holds by construction),
+  // each signature's deepest node, and how many times each node is read.
+  std::vector<std::int32_t> depth(n, 0), deepest(sigs.count(), 0), reads(n, 0);
+  for (Local v = 0; v < n; ++v) {
+    std::int32_t d = 0;
+    for_each_input(nodes, v, [&](Local u) {
+      d = std::max(d, depth[u] + 1);
+      ++reads[u];
+    });
+    depth[v] = d;
+    deepest[sigs.of[v]] = std::max(deepest[sigs.of[v]], d);
+  }
+  std::vector<std::int32_t> rank(n);
+  CountPool counts(n);
+  std::vector<std::int32_t> best(sigs.count(), 0);  // max over v's inputs, per signature
+  std::vector<std::int32_t> touched;                // signatures with best > 0
+  for (Local v = 0; v < n; ++v) {
+    for_each_input(nodes, v, [&](Local u) {
+      for (const CountPool::Entry* e = counts.begin(u); e != counts.end(u); ++e) {
+        if (best[e->sig] == 0) touched.push_back(e->sig);
+        best[e->sig] = std::max(best[e->sig], e->count);
+      }
+    });
+    const std::int32_t s = sigs.of[v];
+    rank[v] = best[s] + (flags[s].leaf ? 0 : 1);
+    for_each_input(nodes, v, [&](Local u) {
+      if (--reads[u] == 0) counts.free(u);
+    });
+    if (reads[v] > 0) {
+      counts.open(v, touched.size() + 1);
+      if (rank[v] > 0 && depth[v] < deepest[s]) counts.add(s, rank[v]);
+      for (std::int32_t t : touched)
+        if (t != s && depth[v] < deepest[t]) counts.add(t, best[t]);
+      counts.close(v);
+    }
+    for (std::int32_t t : touched) best[t] = 0;
+    touched.clear();
+  }
+  return rank;
+}
+
+// Appends batches to a Placement and orders each batch's rows so that the next batch usually
+// finds its inputs as a contiguous, in-order run of an earlier result, read without a copy.
+class Placer {
+ public:
+  Placer(const Nodes& nodes, Placement& out) : nodes_(nodes), out_(out) {}
+
+  // `batch`: local ids in ascending order; reordered in place.
+  void place(Local* batch, std::size_t size) {
+    order_rows(batch, size);
+    const i64 index = out_.first_batch + out_.batches;
+    const i64 begin = out_.batches ? out_.ends[out_.batches - 1] : 0;
+    for (std::size_t row = 0; row < size; ++row) {
+      const i64 node = nodes_.start + batch[row];
+      out_.order[begin + row] = node;
+      out_.node_batch[node] = index;
+      out_.node_row[node] = static_cast<i64>(row);
+    }
+    out_.ends[out_.batches++] = begin + static_cast<i64>(size);
+  }
+
+ private:
+  i64 arity(Local v) const { return nodes_.arg_ptr[v + 1] - nodes_.arg_ptr[v]; }
+  i64 arg(Local v, i64 j) const { return nodes_.arg_flat[nodes_.arg_ptr[v] + j]; }
+
+  // Sorts the rows by the position of the input fed by the most recent earlier batch: that
+  // input is usually the recurrent one (the previous step's state, a child's output), and rows
+  // in its order let the next gather be a zero-copy view. Looks at the first four argument
+  // positions that every node of the batch has (ragged ops batch lists of any length).
+  void order_rows(Local* batch, std::size_t size) {
+    if (size < 2) return;
+    i64 positions = 4;
+    for (std::size_t i = 0; i < size; ++i) positions = std::min(positions, arity(batch[i]));
+    i64 column = -1, recency = -1;
+    for (i64 j = 0; j < positions; ++j) {
+      const i64 first = arg(batch[0], j);
+      bool varying = false;
+      i64 latest = out_.node_batch[first];
+      for (std::size_t i = 1; i < size; ++i) {
+        const i64 a = arg(batch[i], j);
+        varying |= a != first;
+        latest = std::max(latest, out_.node_batch[a]);
+      }
+      if (varying && latest > recency) column = j, recency = latest;
+    }
+    if (column < 0) return;  // every node reads the same inputs: any order reads them alike
+    keys_.resize(size);
+    for (std::size_t i = 0; i < size; ++i) {
+      const i64 a = arg(batch[i], column);
+      keys_[i] = {out_.node_batch[a], out_.node_row[a]};
+    }
+    if (std::is_sorted(keys_.begin(), keys_.end())) return;
+    rows_.resize(size);
+    std::iota(rows_.begin(), rows_.end(), 0);
+    std::stable_sort(rows_.begin(), rows_.end(),
+                     [&](std::size_t a, std::size_t b) { return keys_[a] < keys_[b]; });
+    sorted_.resize(size);
+    for (std::size_t i = 0; i < size; ++i) sorted_[i] = batch[rows_[i]];
+    std::copy(sorted_.begin(), sorted_.end(), batch);
+  }
+
+  const Nodes& nodes_;
+  Placement& out_;
+  std::vector<std::pair<i64, i64>> keys_;  // (batch, row) of each row's chosen input
+  std::vector<std::size_t> rows_;
+  std::vector<Local> sorted_;
+};
+
+// A stable counting sort of `items` by key(item) in 0..keys-1.
+template <class Key>
+std::vector<Local> counting_sort(const std::vector<Local>& items, std::size_t keys, Key&& key) {
+  std::vector<std::size_t> start(keys + 1, 0);
+  for (Local v : items) ++start[key(v) + 1];
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<Local> sorted(items.size());
+  for (Local v : items) sorted[start[key(v)]++] = v;
+  return sorted;
+}
+
+// TensorFlow Fold's schedule: one batch per (depth, signature), in that order, its nodes in id
+// order. Two counting sorts: linear, where sorting tuples would not be.
+void by_depth(const Nodes& nodes, const Signatures& sigs, Placer& placer) {
+  std::vector<Local> order(nodes.n);
+  std::iota(order.begin(), order.end(), 0);
+  order = counting_sort(order, sigs.count(), [&](Local v) { return sigs.of[v]; });
+  order = counting_sort(order, static_cast<std::size_t>(nodes.n) + 1,
+                        [&](Local v) { return nodes.depth[v]; });
+  std::size_t begin = 0;
+  for (std::size_t i = 1; i <= order.size(); ++i) {
+    if (i < order.size() && nodes.depth[order[i]] == nodes.depth[order[begin]] &&
+        sigs.of[order[i]] == sigs.of[order[begin]])
+      continue;
+    placer.place(&order[begin], i - begin);
+    begin = i;
+  }
+}
+
+// DyNet's agenda, completed by per-signature ranks so it reaches the lower bound.
+//
+// Nodes of equal signature and rank never depend on each other, and a signature needs at
+// least max-rank launches, so the ideal schedule runs each (signature, rank) group as ONE
+// batch. The agenda therefore runs a group as soon as ALL its nodes are ready; among complete
+// groups, DyNet's priority decides (lowest average depth of the signature, cheap ops first).
+// Only when no group is complete (groups that wait on each other) does it fall back to DyNet's
+// rule: run the ready nodes of the best-priority group now. Losses after sequences of
+// different lengths, for instance, are all rank 1 of their signature, so they wait until the
+// longest sequence is done.
+void agenda(const Nodes& nodes, const Signatures& sigs, const OpFlagsOf& flags_of,
+            Placer& placer) {
+  const Local n = nodes.n;
+  const std::size_t n_sigs = sigs.count();
+  // With one depth per signature no path holds two nodes of one signature: every group is a
+  // whole signature, and batching by (depth, signature) is the same schedule, far cheaper.
+  // Typical of the small incremental forwards of one step of many instances.
+  bool one_depth = true;
+  for (Local v = 0; v < n && one_depth; ++v)
+    one_depth = nodes.depth[v] == nodes.depth[sigs.first[sigs.of[v]]];
+  if (one_depth) return by_depth(nodes, sigs, placer);
+
+  const std::vector<OpFlags> flags = signature_flags(nodes, sigs, flags_of);
+  const std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
+
+  // DyNet's priority of a signature: lowest average depth (as a double) first, cheap ops first
+  // on ties, then the signature order.
+  std::vector<double> depth_sum(n_sigs, 0.0);
+  std::vector<i64> size(n_sigs, 0);
+  std::vector<std::int32_t> low(n_sigs, INT32_MAX), high(n_sigs, 0);  // rank range
+  for (Local v = 0; v < n; ++v) {
+    const std::int32_t s = sigs.of[v];
+    depth_sum[s] += static_cast<double>(nodes.depth[v]);
+    ++size[s];
+    low[s] = std::min(low[s], rank[v]);
+    high[s] = std::max(high[s], rank[v]);
+  }
+  std::vector<std::int32_t> by_priority(n_sigs);
+  std::iota(by_priority.begin(), by_priority.end(), 0);
+  std::sort(by_priority.begin(), by_priority.end(), [&](std::int32_t a, std::int32_t b) {
+    const double da = depth_sum[a] / static_cast<double>(size[a]);
+    const double db = depth_sum[b] / static_cast<double>(size[b]);
+    if (da != db) return da < db;
+    if (flags[a].cheap != flags[b].cheap) return flags[a].cheap;
+    return a < b;
+  });
+  // One group per (signature, rank), numbered in priority order: signature, then rank.
+  std::vector<i64> first_group(n_sigs);
+  i64 n_groups = 0;
+  for (std::int32_t s : by_priority) {
+    first_group[s] = n_groups - low[s];
+    n_groups += high[s] - low[s] + 1;
+  }
+  std::vector<i64> group(n), remaining(n_groups, 0);
+  for (Local v = 0; v < n; ++v) ++remaining[group[v] = first_group[sigs.of[v]] + rank[v]];
+
+  // Edges between this forward's nodes: how many inputs each node waits for, and each node's
+  // consumers as a CSR array.
+  std::vector<Local> waiting(n, 0);
+  std::vector<i64> consumers_ptr(static_cast<std::size_t>(n) + 1, 0);
+  for (Local v = 0; v < n; ++v)
+    for_each_input(nodes, v, [&](Local u) {
+      ++waiting[v];
+      ++consumers_ptr[u + 1];
+    });
+  std::partial_sum(consumers_ptr.begin(), consumers_ptr.end(), consumers_ptr.begin());
+  std::vector<Local> consumers(consumers_ptr[n]);
+  {
+    std::vector<i64> fill(consumers_ptr.begin(), consumers_ptr.end() - 1);
+    for (Local v = 0; v < n; ++v)
+      for_each_input(nodes, v, [&](Local u) { consumers[fill[u]++] = v; });
+  }
+
+  using MinHeap = std::priority_queue<i64, std::vector<i64>, std::greater<i64>>;
+  MinHeap complete;    // complete groups (ids are in priority order)
+  MinHeap candidates;  // groups with ready nodes; entries of groups since run are skipped
+  // The ready nodes of each group as a linked list (no allocation per group or per node).
+  std::vector<Local> head(n_groups), tail(n_groups), next(n);
+  std::vector<i64> n_ready(n_groups, 0);
+  i64 total_ready = 0;
+  auto make_ready = [&](Local v) {
+    const i64 g = group[v];
+    if (n_ready[g] == 0) {
+      head[g] = v;
+      candidates.push(g);
+    } else {
+      next[tail[g]] = v;
+    }
+    tail[g] = v;
+    ++total_ready;
+    if (++n_ready[g] == remaining[g]) complete.push(g);
+  };
+  for (Local v = 0; v < n; ++v)
+    if (waiting[v] == 0) make_ready(v);
+  std::vector<Local> batch;
+  while (total_ready > 0) {
+    // Complete groups first; otherwise (groups waiting on each other) the best ready one.
+    i64 g;
+    if (!complete.empty()) {
+      g = complete.top();
+      complete.pop();
+    } else {
+      while (n_ready[candidates.top()] == 0) candidates.pop();
+      g = candidates.top();
+      candidates.pop();
+    }
+    batch.clear();
+    for (Local v = head[g]; static_cast<i64>(batch.size()) < n_ready[g]; v = next[v])
+      batch.push_back(v);
+    remaining[g] -= n_ready[g];
+    total_ready -= n_ready[g];
+    n_ready[g] = 0;
+    if (!std::is_sorted(batch.begin(), batch.end()))  // it became ready in pieces
+      std::sort(batch.begin(), batch.end());          // a batch lists its nodes in id order
+    placer.place(batch.data(), batch.size());
+    for (Local v : batch)
+      for (i64 e = consumers_ptr[v]; e < consumers_ptr[v + 1]; ++e)
+        if (--waiting[consumers[e]] == 0) make_ready(consumers[e]);
+  }
+}
+
+}  // namespace
+
+void check_nodes(const Nodes& nodes) {
+  for (Local v = 0; v < nodes.n; ++v) {
+    if (nodes.arg_ptr[v + 1] < nodes.arg_ptr[v])
+      throw std::invalid_argument("arg_end must not decrease (node " +
+                                  std::to_string(nodes.start + v) + ")");
+    for (i64 e = nodes.arg_ptr[v]; e < nodes.arg_ptr[v + 1]; ++e)
+      if (nodes.arg_flat[e] < 0 || nodes.arg_flat[e] >= nodes.start + v)
+        throw std::invalid_argument("node " + std::to_string(nodes.start + v) + " reads node " +
+                                    std::to_string(nodes.arg_flat[e]) +
+                                    ", which is not an earlier node");
+    if (nodes.depth && (nodes.depth[v] < 0 || nodes.depth[v] > nodes.n))
+      throw std::invalid_argument("node " + std::to_string(nodes.start + v) + " has depth " +
+                                  std::to_string(nodes.depth[v]) + ", outside 0.." +
+                                  std::to_string(nodes.n) + " for a forward of that many nodes");
+  }
+}
+
+i64 schedule(Strategy strategy, const Nodes& nodes, const OpFlagsOf& flags_of, Placement& out) {
+  Placer placer(nodes, out);
+  if (strategy == Strategy::none) {
+    for (Local v = 0; v < nodes.n; ++v) placer.place(&v, 1);
+    return out.batches;
+  }
+  const Signatures sigs = compact_signatures(nodes);
+  if (strategy == Strategy::depth)
+    by_depth(nodes, sigs, placer);
+  else
+    agenda(nodes, sigs, flags_of, placer);
+  return out.batches;
+}
+
+std::vector<std::int32_t> signature_ranks(const Nodes& nodes, const OpFlagsOf& flags_of) {
+  const Signatures sigs = compact_signatures(nodes);
+  return ranks_of(nodes, sigs, signature_flags(nodes, sigs, flags_of));
+}
+
+i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
+                const OpFlagsOf& flags_of) {
+  i64 bound = 0, begin = 0;
+  for (i64 end : forward_ends) {
+    // Nodes of different forwards never share a launch (a value was asked for in between),
+    // so each forward counts on its own: inputs from earlier forwards are left out.
+    Nodes part = all;
+    part.start = all.start + begin;
+    part.n = static_cast<Local>(end - begin);
+    part.sig += begin;
+    part.arg_ptr += begin;
+    const Signatures sigs = compact_signatures(part);
+    const std::vector<std::int32_t> rank =
+        ranks_of(part, sigs, signature_flags(part, sigs, flags_of));
+    std::vector<std::int32_t> most(sigs.count(), 0);
+    for (Local v = 0; v < part.n; ++v) most[sigs.of[v]] = std::max(most[sigs.of[v]], rank[v]);
+    for (std::int32_t m : most) bound += m;
+    begin = end;
+  }
+  return bound;
+}
+
+}  // namespace flybatch

@@ -1,0 +1,195 @@
+"""The scheduling stage and its compiled core: per-signature ranks and the lower bound against
+their definitions on random graphs, cost independent of the number of signatures, row order of
+ragged batches, and the errors of a core that is missing or handed a broken graph.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flybatch as fb
+from flybatch import _core
+
+
+# ---- ranks and the lower bound, against their definitions ------------------------------------
+def _paths_ending_at(v: int, inputs: dict[int, list[int]]) -> list[list[int]]:
+    if not inputs[v]:
+        return [[v]]
+    return [path + [v] for u in inputs[v] for path in _paths_ending_at(u, inputs)]
+
+
+def _forwards(g: fb.Graph) -> list[range]:
+    ends = g.forward_ends + ([g.n_nodes] if g.n_done < g.n_nodes else [])
+    return [range(a, b) for a, b in zip([0] + ends, ends)]
+
+
+def _inputs_within(g: fb.Graph, nodes: range) -> dict[int, list[int]]:
+    return {v: [u for u in g.args_of(v) if u in nodes] for v in nodes}
+
+
+def _count(path: list[int], sig: int, g: fb.Graph) -> int:
+    """Nodes of signature `sig` on `path` that launch a kernel (leaves do not)."""
+    return sum(g.sigs[u] == sig and not g.ops[u].leaf for u in path)
+
+
+def _brute_force_rank(g: fb.Graph, v: int, nodes: range) -> int:
+    """The most nodes of v's signature on any path of v's forward ending at v."""
+    return max(_count(p, g.sigs[v], g) for p in _paths_ending_at(v, _inputs_within(g, nodes)))
+
+
+def _brute_force_lower_bound(g: fb.Graph) -> int:
+    """Per forward, for each signature the most nodes of it on any one path; summed."""
+    bound = 0
+    for nodes in _forwards(g):
+        inputs = _inputs_within(g, nodes)
+        paths = [p for v in nodes for p in _paths_ending_at(v, inputs)]
+        bound += sum(max(_count(p, sig, g) for p in paths) for sig in {g.sigs[v] for v in nodes})
+    return bound
+
+
+# A step of a random program: an op, the shape of its family of signatures, its inputs (one
+# among the last few nodes of that shape, so that chains form; one anywhere), and whether a
+# value request forces a forward first (nodes of different forwards never share a launch).
+STEP = st.tuples(st.sampled_from(["input", "tanh", "sigmoid", "add", "mul", "esum"]),
+                 st.sampled_from([2, 3]), st.integers(0, 3), st.integers(0, 99),
+                 st.integers(0, 5).map(lambda k: k == 0))
+
+
+def _random_graph(steps) -> None:
+    """Nodes of two shapes (two families of signatures) wired at random into the current graph."""
+    g = fb.current_graph()
+    pools = {k: [fb.input(torch.zeros(k))] for k in (2, 3)}
+    for op, shape, back, anywhere, forward in steps:
+        if forward and g.n_nodes > g.n_done:
+            g.forward()
+        pool = pools[shape]
+        x, y = pool[max(0, len(pool) - 1 - back)], pool[anywhere % len(pool)]
+        pool.append({"input": lambda: fb.input(torch.zeros(shape)), "tanh": lambda: fb.tanh(x),
+                     "sigmoid": lambda: fb.sigmoid(x), "add": lambda: x + y,
+                     "mul": lambda: x * y, "esum": lambda: fb.esum([x, y, x])}[op]())
+
+
+@settings(max_examples=200)  # cheap: nothing runs but the core
+@given(steps=st.lists(STEP, min_size=1, max_size=16))
+def test_signature_ranks_are_the_most_nodes_of_a_signature_on_a_path_ending_there(steps):
+    with fb.Graph() as g:
+        _random_graph(steps)
+        for nodes in _forwards(g):
+            ranks = _core.signature_ranks(start=nodes.start, end=nodes.stop, sigs=g.sigs,
+                                          arg_end=g.arg_end, arg_flat=g.arg_flat, ops=g.ops)
+            assert ranks == [_brute_force_rank(g, v, nodes) for v in nodes]
+
+
+@settings(max_examples=100)
+@given(steps=st.lists(STEP, min_size=0, max_size=16))
+def test_lower_bound_is_the_most_nodes_of_each_signature_on_a_path_per_forward(steps):
+    with fb.Graph() as g:
+        _random_graph(steps)
+        assert g.stats().lower_bound == _brute_force_lower_bound(g)
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda"])
+@given(steps=st.lists(STEP, min_size=1, max_size=12))
+def test_every_batch_holds_one_signature_and_no_node_depends_on_another(strategy, steps):
+    with fb.Graph(strategy=strategy) as g:
+        _random_graph(steps)
+        g.forward()
+        batches: dict[int, list[int]] = {}
+        for v in range(g.n_nodes):
+            batches.setdefault(int(g.node_batch[v]), []).append(v)
+        inputs = {v: list(g.args_of(v)) for v in range(g.n_nodes)}
+        for nodes in batches.values():
+            assert len({g.sigs[v] for v in nodes}) == 1
+            assert sorted(int(g.node_row[v]) for v in nodes) == list(range(len(nodes)))
+            for v in nodes:
+                ancestors = {u for path in _paths_ending_at(v, inputs) for u in path[:-1]}
+                assert not ancestors & set(nodes)
+
+
+# ---- cost independent of the number of signatures --------------------------------------------
+MANY_SHAPES = """
+import json, random, resource, torch
+import flybatch as fb
+from flybatch import scheduling, stats
+
+rng = random.Random(0)
+with fb.Graph(strategy="agenda") as g:
+    losses, expected = [], 1  # the final esum
+    for k in range(2, 1002):  # two sequences per shape; each shape is 4 signatures of its own
+        lengths = [rng.randint(5, 25) for _ in range(2)]
+        for length in lengths:
+            x = fb.input(torch.zeros(k))
+            h = x
+            for _ in range(length):
+                h = fb.tanh(h * x)
+            losses.append(fb.sum_elems(h))
+        expected += 2 * max(lengths) + 1  # a mul and a tanh per step of the longer, one sum
+    fb.esum(losses)
+    n = g.n_nodes
+    g._grow_positions(n)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    plan = scheduling.schedule(g, 0, n)
+    bound = stats.lower_bound(g)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    launches = sum(not g.ops[int(b[0])].leaf for b in plan.batches)
+    print(json.dumps({"nodes": n, "signatures": len(set(g.sigs)), "expected": expected,
+                      "launches": launches, "lower_bound": bound, "grown_kb": grown}))
+"""
+
+
+def test_agenda_memory_does_not_grow_with_the_number_of_signatures():
+    """~60k nodes of 4,000 signatures: a table of nodes x signatures would take about 1 GB."""
+    run = subprocess.run([sys.executable, "-c", MANY_SHAPES], capture_output=True, text=True,
+                         check=True)
+    result = json.loads(run.stdout)
+    assert result["signatures"] > 4000 and result["nodes"] > 50_000
+    assert result["launches"] == result["lower_bound"] == result["expected"]
+    assert result["grown_kb"] < 100 * 1024
+
+
+# ---- row order -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["depth", "agenda"])
+def test_a_ragged_batch_whose_last_node_has_the_fewest_inputs_runs(strategy):
+    """Rows are ordered by an argument position every node of the batch has."""
+    x = torch.tensor([1.0, 2.0])
+    with fb.Graph(strategy=strategy) as g:
+        a, b = fb.tanh(fb.input(x)), fb.sigmoid(fb.input(x))
+        long, short = fb.esum([a, b, a]), fb.esum([b])
+        values = g.forward([long, short])
+        assert g.node_batch[long.id] == g.node_batch[short.id]
+    assert torch.allclose(values[0], 2 * torch.tanh(x) + torch.sigmoid(x))
+    assert torch.allclose(values[1], torch.sigmoid(x))
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_the_core_refuses_a_node_that_reads_a_later_node():
+    with pytest.raises(ValueError, match="node 1 reads node 2, which is not an earlier node"):
+        _core.lower_bound(n=3, sigs=[0, 1, 1], arg_end=[0, 1, 1], arg_flat=[2], ops=[None] * 3,
+                          forward_ends=[])
+
+
+BLOCK_CORE = """
+import sys
+
+class NoCore:  # as if the extension had never been compiled
+    def find_spec(self, name, path=None, target=None):
+        if name == "flybatch._core":
+            raise ImportError("No module named 'flybatch._core'")
+
+sys.meta_path.insert(0, NoCore())
+import flybatch
+"""
+
+
+def test_importing_flybatch_without_its_compiled_core_says_how_to_build_it():
+    run = subprocess.run([sys.executable, "-c", BLOCK_CORE], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert ("ImportError: the compiled core of flybatch is not built: run `pip install -e .` "
+            "(needs a C++17 compiler)") in run.stderr
