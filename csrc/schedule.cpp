@@ -372,8 +372,8 @@ void agenda(const Nodes& nodes, const Signatures& sigs, const OpFlagsOf& flags_o
     first_group[s] = n_groups - low[s];
     n_groups += high[s] - low[s] + 1;
   }
-  std::vector<i64> group(n), remaining(n_groups, 0);
-  for (Local v = 0; v < n; ++v) ++remaining[group[v] = first_group[sigs.of[v]] + rank[v]];
+  std::vector<i64> group(n), size_of(n_groups, 0);
+  for (Local v = 0; v < n; ++v) ++size_of[group[v] = first_group[sigs.of[v]] + rank[v]];
 
   // Edges between this forward's nodes: how many inputs each node waits for, and each node's
   // consumers as a CSR array.
@@ -395,47 +395,42 @@ void agenda(const Nodes& nodes, const Signatures& sigs, const OpFlagsOf& flags_o
   using MinHeap = std::priority_queue<i64, std::vector<i64>, std::greater<i64>>;
   MinHeap complete;    // complete groups (ids are in priority order)
   MinHeap candidates;  // groups with ready nodes; entries of groups since run are skipped
-  // The ready nodes of each group as a linked list (no allocation per group or per node).
-  std::vector<Local> head(n_groups), tail(n_groups), next(n);
-  std::vector<i64> n_ready(n_groups, 0);
-  i64 total_ready = 0;
+  // Each group's nodes get a contiguous range of `slots` (sized by the group) and fill it in
+  // the order they become ready: slots begin[g] + taken[g] .. begin[g] + filled[g] are the
+  // ready nodes not yet run. No allocation per group, and a batch is read in one sweep.
+  std::vector<Local> slots(n);
+  std::vector<i64> begin(n_groups), filled(n_groups, 0), taken(n_groups, 0);
+  std::partial_sum(size_of.begin(), size_of.end() - 1, begin.begin() + 1);
+  i64 n_ready = 0;
   auto make_ready = [&](Local v) {
     const i64 g = group[v];
-    if (n_ready[g] == 0) {
-      head[g] = v;
-      candidates.push(g);
-    } else {
-      next[tail[g]] = v;
-    }
-    tail[g] = v;
-    ++total_ready;
-    if (++n_ready[g] == remaining[g]) complete.push(g);
+    if (filled[g] == taken[g]) candidates.push(g);
+    slots[begin[g] + filled[g]++] = v;
+    ++n_ready;
+    if (filled[g] == size_of[g]) complete.push(g);
   };
   for (Local v = 0; v < n; ++v)
     if (waiting[v] == 0) make_ready(v);
-  std::vector<Local> batch;
-  while (total_ready > 0) {
+  while (n_ready > 0) {
     // Complete groups first; otherwise (groups waiting on each other) the best ready one.
     i64 g;
     if (!complete.empty()) {
       g = complete.top();
       complete.pop();
     } else {
-      while (n_ready[candidates.top()] == 0) candidates.pop();
+      while (filled[candidates.top()] == taken[candidates.top()]) candidates.pop();
       g = candidates.top();
       candidates.pop();
     }
-    batch.clear();
-    for (Local v = head[g]; static_cast<i64>(batch.size()) < n_ready[g]; v = next[v])
-      batch.push_back(v);
-    remaining[g] -= n_ready[g];
-    total_ready -= n_ready[g];
-    n_ready[g] = 0;
-    if (!std::is_sorted(batch.begin(), batch.end()))  // it became ready in pieces
-      std::sort(batch.begin(), batch.end());          // a batch lists its nodes in id order
-    placer.place(batch.data(), batch.size());
-    for (Local v : batch)
-      for (i64 e = consumers_ptr[v]; e < consumers_ptr[v + 1]; ++e)
+    Local* const batch = &slots[begin[g] + taken[g]];
+    const std::size_t size = static_cast<std::size_t>(filled[g] - taken[g]);
+    taken[g] = filled[g];
+    n_ready -= static_cast<i64>(size);
+    if (!std::is_sorted(batch, batch + size))  // it became ready in pieces
+      std::sort(batch, batch + size);          // a batch lists its nodes in id order
+    placer.place(batch, size);
+    for (std::size_t i = 0; i < size; ++i)
+      for (i64 e = consumers_ptr[batch[i]]; e < consumers_ptr[batch[i] + 1]; ++e)
         if (--waiting[consumers[e]] == 0) make_ready(consumers[e]);
   }
 }
