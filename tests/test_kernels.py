@@ -76,14 +76,18 @@ def test_float64_and_computed_weights_take_the_default_path(gemm):
     assert kernels.gemm_counts["onednn"] == before["onednn"]
 
 
-def test_auto_mode_picks_a_path_once_per_shape_class(gemm):
+def test_auto_mode_picks_a_path_once_per_shape_class_without_touching_grads(gemm):
     gemm("auto")
     w, b = weights(32, 16)
     kernels.linear(torch.randn(40, 16), w, b)
     decided = dict(kernels._decisions)
     kernels.linear(torch.randn(50, 16), w, b)  # the same m bucket: no new calibration
     assert kernels._decisions == decided
-    assert (64, 16, 32, False) in decided
+    assert w.grad is None and b.grad is None  # calibration ran backward on detached copies
+    assert (64, 16, 32, False, True) in decided  # x needs no grad, but the weight does
+    with torch.no_grad():
+        kernels.linear(torch.randn(50, 16), w, b)
+    assert (64, 16, 32, False, False) in kernels._decisions  # eval is a class of its own
 
 
 def train_tree_lstm(mode: str) -> tuple[list[float], list[torch.Tensor]]:

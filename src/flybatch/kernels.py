@@ -4,7 +4,7 @@ Every product with a shared parameter (`W @ x`, `affine`, the fused cells) goes 
 `linear(x, W, b)`. On a CPU in float32 it can run through oneDNN with the weight prepacked into
 oneDNN's blocked layout (`mkldnn._linear_pointwise`), which beats MKL's `addmm` on this
 machine for most of flybatch's shapes (about 107 vs 87-99 GFLOP/s on one core, more for thin
-batches; see BENCHMARKS.md) and loses on tiny outputs, where its ~12 us call overhead dominates.
+batches) and loses on tiny outputs, where its ~12 us call overhead dominates.
 So the path is chosen per shape class by a one-time calibration against the default, and a
 weight is packed once per parameter version (an optimizer step makes a new version) and reused
 by every launch. float64, CUDA and non-parameter operands use the default path (cuBLAS as is).
@@ -27,7 +27,7 @@ GEMM_MODES = ("default", "auto", "onednn")
 gemm_counts: dict[str, int] = {"default": 0, "onednn": 0}
 
 _mode = "auto"
-# (m bucket, k, n, transposed) -> "default" | "onednn", measured once per process.
+# (m bucket, k, n, transposed, with backward) -> "default" | "onednn", measured once per process.
 _decisions: dict[tuple[int, int, int, bool], str] = {}
 
 
@@ -60,7 +60,9 @@ class _Pack:
         self.packed = self.packed_t = None
 
 
-_packs: dict[int, _Pack] = {}  # id of the parameter -> its pack; dropped with the parameter
+# id of a parameter -> its views' packs (a view: offset, shape, strides; `U_f[k]` is one of
+# several), dropped with the parameter.
+_packs: dict[int, dict[tuple, _Pack]] = {}
 
 
 def _root(w: torch.Tensor) -> torch.Tensor | None:
@@ -72,13 +74,14 @@ def _root(w: torch.Tensor) -> torch.Tensor | None:
 
 def _packed(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     root = _root(w)
-    key = id(root)
-    pack = _packs.get(key)
-    if pack is None:
-        weakref.finalize(root, _packs.pop, key, None)
-    if pack is None or pack.version != w._version or pack.source.data_ptr() != w.data_ptr() \
-            or pack.source.shape != w.shape or pack.source.stride() != w.stride():
-        pack = _packs[key] = _Pack(w.detach())
+    views = _packs.get(id(root))
+    if views is None:
+        views = _packs[id(root)] = {}
+        weakref.finalize(root, _packs.pop, id(root), None)
+    view = (w.storage_offset(), tuple(w.shape), w.stride())
+    pack = views.get(view)
+    if pack is None or pack.version != w._version or pack.source.data_ptr() != w.data_ptr():
+        pack = views[view] = _Pack(w.detach())
     if transposed:
         if pack.packed_t is None:
             pack.packed_t = torch.ops.mkldnn._reorder_linear_weight(pack.source.t().contiguous())
@@ -104,31 +107,45 @@ def _bucket(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str:
-    """The faster path on these very operands: best of five alternating runs each (the machine
-    is shared, so the minimum, not the mean)."""
+def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
+               grad: bool) -> str:
+    """The faster path on these very operands, forward and, for a product autograd records,
+    backward too (the oneDNN path's autograd.Function costs ~20 us more per launch, which thin
+    batches feel): best of five alternating runs each, the minimum because the machine is
+    shared. Backward runs on detached copies, so no parameter's .grad is touched."""
+    if grad:
+        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+        b = None if b is None else b.detach()
+        dy = torch.ones(x.shape[0], w.shape[0], dtype=x.dtype)
+        paths: dict[str, Callable] = {
+            "default": lambda: torch.autograd.grad(_default(x, w, b), (x, w), dy),
+            "onednn": lambda: torch.autograd.grad(_Linear.apply(x, w, b), (x, w), dy)}
+    else:
+        paths = {name: lambda path=path: path(x, w, b, transposed)
+                 for name, path in (("default", _default), ("onednn", _onednn))}
     runs: dict[str, list[float]] = {"default": [], "onednn": []}
-    paths: dict[str, Callable] = {"default": _default, "onednn": _onednn}
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         for _ in range(5):
-            for name, path in paths.items():
+            for name, run in paths.items():
                 start = time.perf_counter()
-                path(x, w, b, transposed)
+                run()
                 runs[name].append(time.perf_counter() - start)
     return min(runs, key=lambda name: min(runs[name]))
 
 
-def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str:
+def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
+          grad: bool) -> str:
     if _mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or x.dim() != 2 or w.dim() != 2 or _root(w) is None:
+            or x.dim() != 2 or w.dim() != 2 or _root(w) is None \
+            or transposed and grad:  # dX of a double backward: autograd must see the product
         return "default"
     if _mode == "onednn":
         return "onednn"
     n, k = (w.shape[1], w.shape[0]) if transposed else w.shape
-    key = (_bucket(x.shape[0]), k, n, transposed)
+    key = (_bucket(x.shape[0]), k, n, transposed, grad)
     path = _decisions.get(key)
     if path is None:
-        path = _decisions[key] = _calibrate(x, w, b, transposed)
+        path = _decisions[key] = _calibrate(x, w, b, transposed, grad)
     return path
 
 
@@ -158,11 +175,9 @@ class _Linear(torch.autograd.Function):
 
 def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
              transposed: bool = False) -> torch.Tensor:
-    path = _path(x, w, b, transposed)
     grad = torch.is_grad_enabled() and (
         x.requires_grad or w.requires_grad or b is not None and b.requires_grad)
-    if transposed and grad:  # dX of a double backward: autograd must see the product
-        path = "default"
+    path = _path(x, w, b, transposed, grad)
     gemm_counts[path] += 1
     if path == "default":
         return _default(x, w, b, transposed)
