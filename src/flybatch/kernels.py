@@ -107,12 +107,18 @@ def _bucket(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
+_CALIBRATION_ROWS = 256
+
+
 def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
                grad: bool) -> str:
     """The faster path on these very operands, forward and, for a product autograd records,
     backward too (the oneDNN path's autograd.Function costs ~20 us more per launch, which thin
-    batches feel): best of five alternating runs each, the minimum because the machine is
-    shared. Backward runs on detached copies, so no parameter's .grad is touched."""
+    batches feel): best of three alternating runs each, the minimum because the machine is
+    shared. Backward runs on detached copies, so no parameter's .grad is touched. At most
+    `_CALIBRATION_ROWS` rows are timed: both paths' GFLOP/s are flat beyond, and timing all of
+    a 2,000-row batch made the first minibatches of a benchmark pay over a second."""
+    x = x[:_CALIBRATION_ROWS]
     if grad:
         x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
         b = None if b is None else b.detach()
@@ -125,7 +131,7 @@ def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpo
                  for name, path in (("default", _default), ("onednn", _onednn))}
     runs: dict[str, list[float]] = {"default": [], "onednn": []}
     with torch.enable_grad() if grad else torch.no_grad():
-        for _ in range(5):
+        for _ in range(3):
             for name, run in paths.items():
                 start = time.perf_counter()
                 run()
