@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "schedule.h"
+#include "store.h"
 
 namespace {
 
@@ -186,13 +187,14 @@ flybatch::Strategy strategy_of(const std::string& name) {
   if (name == "none") return flybatch::Strategy::none;
   if (name == "depth") return flybatch::Strategy::depth;
   if (name == "agenda") return flybatch::Strategy::agenda;
+  if (name == "auto") return flybatch::Strategy::automatic;
   fail(PyExc_ValueError, "unknown strategy " + name);
 }
 
 const char kScheduleDoc[] =
     "schedule(strategy, start, end, sigs, depths, arg_end, arg_flat, ops, node_batch, node_row,\n"
     "         first_batch, arg_ptr_out, arg_flat_out, order_out, ends_out) -> int\n\n"
-    "Batch the store's nodes start..end-1 ('none', 'depth' or 'agenda'). Writes each node's\n"
+    "Batch the store's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'). Writes each node's\n"
     "(batch, row) into node_batch/node_row, this forward's inputs as a CSR array (arg_ptr_out,\n"
     "relative to arg_flat_out) and the node ids of the batches, in batch and row order, into\n"
     "order_out, with the end of each batch in ends_out. Returns the number of batches.";
@@ -313,4 +315,4 @@ PyModuleDef kModule = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__core() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__core() { return flybatch::register_store(PyModule_Create(&kModule)); }

@@ -301,51 +301,100 @@ std::vector<Local> counting_sort(const std::vector<Local>& items, std::size_t ke
   return sorted;
 }
 
-// TensorFlow Fold's schedule: one batch per (depth, signature), in that order, its nodes in id
-// order. Two counting sorts: linear, where sorting tuples would not be.
-void by_depth(const Nodes& nodes, const Signatures& sigs, Placer& placer) {
+// A schedule before placement: local node ids, batch after batch. `auto` builds several and
+// places only the one with the fewest launches (placing writes the graph's position arrays).
+struct Plan {
+  std::vector<Local> order;
+  std::vector<Local> ends;  // end of each batch in `order`
+  i64 launches = 0;         // batches of ops that launch a kernel (not leaves)
+
+  void add(const Local* batch, std::size_t size, bool launch) {
+    order.insert(order.end(), batch, batch + size);
+    ends.push_back(static_cast<Local>(order.size()));
+    launches += launch;
+  }
+};
+
+// One batch per (key, signature), in that order, its nodes in id order. Valid for any key that
+// grows along every edge; with key = depth it is TensorFlow Fold's schedule. Two counting
+// sorts: linear, where sorting tuples would not be.
+Plan by_key(const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags,
+            const i64* key) {
   std::vector<Local> order(nodes.n);
   std::iota(order.begin(), order.end(), 0);
   order = counting_sort(order, sigs.count(), [&](Local v) { return sigs.of[v]; });
   order = counting_sort(order, static_cast<std::size_t>(nodes.n) + 1,
-                        [&](Local v) { return nodes.depth[v]; });
-  std::size_t begin = 0;
-  for (std::size_t i = 1; i <= order.size(); ++i) {
-    if (i < order.size() && nodes.depth[order[i]] == nodes.depth[order[begin]] &&
-        sigs.of[order[i]] == sigs.of[order[begin]])
+                        [&](Local v) { return key[v]; });
+  Plan plan;
+  plan.order = std::move(order);
+  const std::vector<Local>& o = plan.order;
+  for (std::size_t i = 1; i <= o.size(); ++i) {
+    if (i < o.size() && key[o[i]] == key[o[i - 1]] && sigs.of[o[i]] == sigs.of[o[i - 1]])
       continue;
-    placer.place(&order[begin], i - begin);
-    begin = i;
+    plan.ends.push_back(static_cast<Local>(i));
+    plan.launches += !flags[sigs.of[o[i - 1]]].leaf;
   }
+  return plan;
 }
 
-// DyNet's agenda, completed by per-signature ranks so it reaches the lower bound.
-//
-// Nodes of equal signature and rank never depend on each other, and a signature needs at
-// least max-rank launches, so the ideal schedule runs each (signature, rank) group as ONE
-// batch. The agenda therefore runs a group as soon as ALL its nodes are ready; among complete
-// groups, DyNet's priority decides (lowest average depth of the signature, cheap ops first).
-// Only when no group is complete (groups that wait on each other) does it fall back to DyNet's
-// rule: run the ready nodes of the best-priority group now. Losses after sequences of
-// different lengths, for instance, are all rank 1 of their signature, so they wait until the
-// longest sequence is done.
-void agenda(const Nodes& nodes, const Signatures& sigs, const OpFlagsOf& flags_of,
-            Placer& placer) {
+// The latest-possible twin of the depth rule: key = 1 + (longest path below the deepest node)
+// - (longest path below v), so every node runs as late as its consumers allow and the last
+// steps of paths of different lengths line up (losses after sequences of different lengths
+// share one launch). Leaves, which need nothing, take key 0.
+std::vector<i64> as_late_as_possible(const Nodes& nodes, const Signatures& sigs,
+                                     const std::vector<OpFlags>& flags,
+                                     const std::vector<std::int32_t>& height) {
+  const std::int32_t top = nodes.n ? *std::max_element(height.begin(), height.end()) : 0;
+  std::vector<i64> key(nodes.n);
+  for (Local v = 0; v < nodes.n; ++v) key[v] = flags[sigs.of[v]].leaf ? 0 : 1 + top - height[v];
+  return key;
+}
+
+// Per node, the longest path from it to a node nothing in this forward reads (in edges).
+std::vector<std::int32_t> heights_of(const Nodes& nodes) {
+  std::vector<std::int32_t> height(nodes.n, 0);
+  for (Local v = nodes.n - 1; v >= 0; --v)
+    for_each_input(nodes, v, [&](Local u) { height[u] = std::max(height[u], height[v] + 1); });
+  return height;
+}
+
+// Edges between this forward's nodes: how many inputs each node waits for, and each node's
+// consumers as a CSR array.
+struct Edges {
+  std::vector<Local> inputs;  // per node
+  std::vector<i64> consumers_ptr;
+  std::vector<Local> consumers;
+
+  explicit Edges(const Nodes& nodes)
+      : inputs(nodes.n, 0), consumers_ptr(static_cast<std::size_t>(nodes.n) + 1, 0) {
+    for (Local v = 0; v < nodes.n; ++v)
+      for_each_input(nodes, v, [&](Local u) {
+        ++inputs[v];
+        ++consumers_ptr[u + 1];
+      });
+    std::partial_sum(consumers_ptr.begin(), consumers_ptr.end(), consumers_ptr.begin());
+    consumers.resize(consumers_ptr[nodes.n]);
+    std::vector<i64> fill(consumers_ptr.begin(), consumers_ptr.end() - 1);
+    for (Local v = 0; v < nodes.n; ++v)
+      for_each_input(nodes, v, [&](Local u) { consumers[fill[u]++] = v; });
+  }
+};
+
+// The (signature, rank) groups of a forward. Nodes of equal signature and rank never depend on
+// each other, and a signature needs at least max-rank launches, so the ideal schedule runs each
+// group as ONE batch; the groups' count is the lower bound of the forward.
+struct Groups {
+  std::vector<i64> of;    // per node
+  std::vector<i64> size;  // per group
+  i64 bound = 0;          // groups of signatures that launch a kernel
+};
+
+// Groups numbered in DyNet's priority order of their signature (lowest average depth first,
+// cheap ops first on ties, then the signature order), then by rank.
+Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags) {
   const Local n = nodes.n;
   const std::size_t n_sigs = sigs.count();
-  // With one depth per signature no path holds two nodes of one signature: every group is a
-  // whole signature, and batching by (depth, signature) is the same schedule, far cheaper.
-  // Typical of the small incremental forwards of one step of many instances.
-  bool one_depth = true;
-  for (Local v = 0; v < n && one_depth; ++v)
-    one_depth = nodes.depth[v] == nodes.depth[sigs.first[sigs.of[v]]];
-  if (one_depth) return by_depth(nodes, sigs, placer);
-
-  const std::vector<OpFlags> flags = signature_flags(nodes, sigs, flags_of);
   const std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
-
-  // DyNet's priority of a signature: lowest average depth (as a double) first, cheap ops first
-  // on ties, then the signature order.
   std::vector<double> depth_sum(n_sigs, 0.0);
   std::vector<i64> size(n_sigs, 0);
   std::vector<std::int32_t> low(n_sigs, INT32_MAX), high(n_sigs, 0);  // rank range
@@ -365,74 +414,122 @@ void agenda(const Nodes& nodes, const Signatures& sigs, const OpFlagsOf& flags_o
     if (flags[a].cheap != flags[b].cheap) return flags[a].cheap;
     return a < b;
   });
-  // One group per (signature, rank), numbered in priority order: signature, then rank.
+  Groups groups;
   std::vector<i64> first_group(n_sigs);
   i64 n_groups = 0;
   for (std::int32_t s : by_priority) {
     first_group[s] = n_groups - low[s];
     n_groups += high[s] - low[s] + 1;
+    if (!flags[s].leaf) groups.bound += high[s];
   }
-  std::vector<i64> group(n), size_of(n_groups, 0);
-  for (Local v = 0; v < n; ++v) ++size_of[group[v] = first_group[sigs.of[v]] + rank[v]];
+  groups.of.resize(n);
+  groups.size.assign(n_groups, 0);
+  for (Local v = 0; v < n; ++v) ++groups.size[groups.of[v] = first_group[sigs.of[v]] + rank[v]];
+  return groups;
+}
 
-  // Edges between this forward's nodes: how many inputs each node waits for, and each node's
-  // consumers as a CSR array.
-  std::vector<Local> waiting(n, 0);
-  std::vector<i64> consumers_ptr(static_cast<std::size_t>(n) + 1, 0);
-  for (Local v = 0; v < n; ++v)
-    for_each_input(nodes, v, [&](Local u) {
-      ++waiting[v];
-      ++consumers_ptr[u + 1];
-    });
-  std::partial_sum(consumers_ptr.begin(), consumers_ptr.end(), consumers_ptr.begin());
-  std::vector<Local> consumers(consumers_ptr[n]);
-  {
-    std::vector<i64> fill(consumers_ptr.begin(), consumers_ptr.end() - 1);
-    for (Local v = 0; v < n; ++v)
-      for_each_input(nodes, v, [&](Local u) { consumers[fill[u]++] = v; });
-  }
-
-  using MinHeap = std::priority_queue<i64, std::vector<i64>, std::greater<i64>>;
-  MinHeap complete;    // complete groups (ids are in priority order)
-  MinHeap candidates;  // groups with ready nodes; entries of groups since run are skipped
+// DyNet's agenda, completed by per-signature ranks so it reaches the lower bound where the
+// groups allow.
+//
+// A group runs as soon as ALL its nodes are ready; among complete groups, the group order
+// decides (DyNet's priority). Only when no group is complete (groups that wait on each other)
+// must a group run in pieces: then the ready group whose ready nodes have the longest path to
+// the end of the forward runs its ready nodes (a critical-path list scheduler: what must wait
+// longest for its consumers goes first), ties by the group order. Without `height` (DyNet's
+// rule, the `agenda` baseline) the best-priority ready group runs instead. Losses after
+// sequences of different lengths, for instance, are all rank 1 of their signature, so they wait
+// until the longest sequence is done.
+Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
+                   const Signatures& sigs, const std::vector<OpFlags>& flags,
+                   const std::vector<std::int32_t>* height) {
+  const Local n = nodes.n;
+  const i64 n_groups = static_cast<i64>(groups.size.size());
+  std::vector<Local> waiting = edges.inputs;
+  // Ready groups keyed by (height of their highest ready node, -group) in one int64: a group is
+  // pushed again when a higher node joins it, and an entry whose key is no longer its group's
+  // is skipped.
+  auto key_of = [&](i64 h, i64 g) { return h * n_groups + (n_groups - 1 - g); };
+  std::priority_queue<i64> candidates;
+  std::priority_queue<i64, std::vector<i64>, std::greater<i64>> complete;  // group ids
+  std::vector<i64> top(n_groups, -1);  // per group: the height of its highest ready node
   // Each group's nodes get a contiguous range of `slots` (sized by the group) and fill it in
   // the order they become ready: slots begin[g] + taken[g] .. begin[g] + filled[g] are the
   // ready nodes not yet run. No allocation per group, and a batch is read in one sweep.
   std::vector<Local> slots(n);
   std::vector<i64> begin(n_groups), filled(n_groups, 0), taken(n_groups, 0);
-  std::partial_sum(size_of.begin(), size_of.end() - 1, begin.begin() + 1);
+  std::partial_sum(groups.size.begin(), groups.size.end() - 1, begin.begin() + 1);
   i64 n_ready = 0;
   auto make_ready = [&](Local v) {
-    const i64 g = group[v];
-    if (filled[g] == taken[g]) candidates.push(g);
+    const i64 g = groups.of[v];
+    const i64 h = height ? (*height)[v] : 0;
+    if (h > top[g]) {
+      top[g] = h;
+      candidates.push(key_of(h, g));
+    }
     slots[begin[g] + filled[g]++] = v;
     ++n_ready;
-    if (filled[g] == size_of[g]) complete.push(g);
+    if (filled[g] == groups.size[g]) complete.push(g);
   };
   for (Local v = 0; v < n; ++v)
     if (waiting[v] == 0) make_ready(v);
+  Plan plan;
+  plan.order.reserve(n);
   while (n_ready > 0) {
-    // Complete groups first; otherwise (groups waiting on each other) the best ready one.
     i64 g;
     if (!complete.empty()) {
       g = complete.top();
       complete.pop();
     } else {
-      while (filled[candidates.top()] == taken[candidates.top()]) candidates.pop();
-      g = candidates.top();
+      for (;; candidates.pop()) {
+        g = n_groups - 1 - candidates.top() % n_groups;
+        if (filled[g] > taken[g] && candidates.top() == key_of(top[g], g)) break;
+      }
       candidates.pop();
     }
     Local* const batch = &slots[begin[g] + taken[g]];
     const std::size_t size = static_cast<std::size_t>(filled[g] - taken[g]);
     taken[g] = filled[g];
+    top[g] = -1;
     n_ready -= static_cast<i64>(size);
     if (!std::is_sorted(batch, batch + size))  // it became ready in pieces
       std::sort(batch, batch + size);          // a batch lists its nodes in id order
-    placer.place(batch, size);
+    plan.add(batch, size, !flags[sigs.of[batch[0]]].leaf);
     for (std::size_t i = 0; i < size; ++i)
-      for (i64 e = consumers_ptr[batch[i]]; e < consumers_ptr[batch[i] + 1]; ++e)
-        if (--waiting[consumers[e]] == 0) make_ready(consumers[e]);
+      for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
+        if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
   }
+  return plan;
+}
+
+// With one depth per signature no path holds two nodes of one signature: every group is a
+// whole signature, and batching by (depth, signature) runs each as one batch, far cheaper
+// than the agenda. Typical of the small incremental forwards of one step of many instances.
+bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
+  for (Local v = 0; v < nodes.n; ++v)
+    if (nodes.depth[v] != nodes.depth[sigs.first[sigs.of[v]]]) return false;
+  return true;
+}
+
+// The fewest launches among several schedules, each linear in nodes + edges: the ranked agenda
+// with its critical-path fallback, the same with DyNet's fallback, the depth rule and its
+// latest-possible twin. The first to reach the groups' lower bound ends the search; otherwise
+// the fewest launches win (the earliest on ties), so `auto` is never worse than `depth` or
+// `agenda` on any graph.
+Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
+                     const std::vector<OpFlags>& flags) {
+  if (one_depth_per_signature(nodes, sigs)) return by_key(nodes, sigs, flags, nodes.depth);
+  const Groups groups = groups_of(nodes, sigs, flags);
+  const Edges edges(nodes);
+  const std::vector<std::int32_t> height = heights_of(nodes);
+  Plan best = ranked_agenda(nodes, groups, edges, sigs, flags, &height);
+  auto consider = [&](Plan&& plan) {
+    if (plan.launches < best.launches) best = std::move(plan);
+  };
+  if (best.launches > groups.bound) consider(ranked_agenda(nodes, groups, edges, sigs, flags, nullptr));
+  if (best.launches > groups.bound) consider(by_key(nodes, sigs, flags, nodes.depth));
+  if (best.launches > groups.bound)
+    consider(by_key(nodes, sigs, flags, as_late_as_possible(nodes, sigs, flags, height).data()));
+  return best;
 }
 
 }  // namespace
@@ -461,10 +558,19 @@ i64 schedule(Strategy strategy, const Nodes& nodes, const OpFlagsOf& flags_of, P
     return out.batches;
   }
   const Signatures sigs = compact_signatures(nodes);
-  if (strategy == Strategy::depth)
-    by_depth(nodes, sigs, placer);
+  const std::vector<OpFlags> flags = signature_flags(nodes, sigs, flags_of);
+  Plan plan;
+  if (strategy == Strategy::depth || one_depth_per_signature(nodes, sigs))
+    plan = by_key(nodes, sigs, flags, nodes.depth);
+  else if (strategy == Strategy::agenda)
+    plan = ranked_agenda(nodes, groups_of(nodes, sigs, flags), Edges(nodes), sigs, flags, nullptr);
   else
-    agenda(nodes, sigs, flags_of, placer);
+    plan = fewest_launches(nodes, sigs, flags);
+  Local begin = 0;
+  for (Local end : plan.ends) {
+    placer.place(&plan.order[begin], static_cast<std::size_t>(end - begin));
+    begin = end;
+  }
   return out.batches;
 }
 

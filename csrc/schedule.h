@@ -46,7 +46,8 @@ struct Placement {
   i64 batches = 0;            // batches written so far
 };
 
-enum class Strategy { none, depth, agenda };
+// `automatic` is Python's "auto": the fewest launches among several schedules.
+enum class Strategy { none, depth, agenda, automatic };
 
 // Batches `nodes` with `strategy` into `out`; returns the number of batches.
 i64 schedule(Strategy strategy, const Nodes& nodes, const OpFlagsOf& flags_of, Placement& out);

@@ -95,7 +95,7 @@ def test_lower_bound_is_the_most_nodes_of_each_signature_on_a_path_per_forward(s
         assert g.stats().lower_bound == _brute_force_lower_bound(g)
 
 
-@pytest.mark.parametrize("strategy", ["none", "depth", "agenda"])
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
 @given(steps=st.lists(STEP, min_size=1, max_size=12))
 def test_every_batch_holds_one_signature_and_no_node_depends_on_another(strategy, steps):
     with fb.Graph(strategy=strategy) as g:
@@ -111,6 +111,43 @@ def test_every_batch_holds_one_signature_and_no_node_depends_on_another(strategy
             for v in nodes:
                 ancestors = {u for path in _paths_ending_at(v, inputs) for u in path[:-1]}
                 assert not ancestors & set(nodes)
+
+
+# ---- auto: the fewest launches of several schedules -----------------------------------------
+def _launches(strategy: str, steps) -> int:
+    with fb.Graph(strategy=strategy) as g:
+        _random_graph(steps)
+        g.forward()
+        return g.stats().batches
+
+
+@settings(max_examples=200)
+@given(steps=st.lists(STEP, min_size=1, max_size=24))
+def test_auto_never_launches_more_than_depth_or_agenda(steps):
+    assert _launches("auto", steps) <= min(_launches("depth", steps), _launches("agenda", steps))
+
+
+def _issue_12_tree(strategy: str) -> fb.Stats:
+    """The smallest graph found where DyNet's fallback made the agenda split a group."""
+    gen = torch.Generator().manual_seed(0)
+    W = [torch.nn.Parameter(torch.randn(4, 8, generator=gen)) for _ in range(2)]
+    E = torch.nn.Parameter(torch.randn(10, 4, generator=gen))
+
+    def build(t):
+        if isinstance(t, int):
+            return fb.lookup(E, t)
+        return fb.tanh(W[t[0]] @ fb.concat([build(t[1]), build(t[2])]))
+
+    with fb.Graph(strategy=strategy) as g:
+        fb.sum_elems(build((0, (1, (1, 7, 7), 1), (1, (0, 7, 9), 4)))).value()
+        return g.stats()
+
+
+def test_auto_reaches_the_bound_where_the_agenda_split_a_group():
+    assert _issue_12_tree("agenda").batches == 13
+    assert _issue_12_tree("depth").batches == 12
+    stats = _issue_12_tree("auto")
+    assert stats.batches == stats.lower_bound == 12
 
 
 # ---- cost independent of the number of signatures --------------------------------------------

@@ -1,6 +1,6 @@
 """Dynamic graphs from the autobatching literature (flybatch.bench.workloads): every strategy
-computes eager PyTorch's values and gradients, and batching never launches more kernels than
-TensorFlow Fold's depth rule.
+computes eager PyTorch's values and gradients, and the default strategy never launches more
+kernels than TensorFlow Fold's depth rule or the ranked agenda.
 """
 
 from __future__ import annotations
@@ -41,3 +41,21 @@ def test_every_workload_family_matches_eager(fam, strategy, one_thread):
         assert (g is None) == (r is None), f"gradient presence of {name}"
         if r is not None:
             torch.testing.assert_close(g, r, rtol=TOL, atol=TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _launches(fam, strategy: str, seed: int) -> tuple[int, int]:
+    params = workloads.make_params()
+    with fb.Graph(strategy=strategy) as g:
+        fb.esum(workloads.build(fb, fam, params, workloads.instances(fam, 20, seed))).backward()
+        return g.stats().batches, g.stats().lower_bound
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("fam", workloads.FAMILIES, ids=lambda f: f.name)
+def test_auto_never_launches_more_than_depth_or_agenda(fam, seed, record_property):
+    launches = {s: _launches(fam, s, seed)[0] for s in ("depth", "agenda", "auto")}
+    bound = _launches(fam, "auto", seed)[1]
+    for strategy, n in launches.items():
+        record_property(f"{strategy}_over_bound", round(n / bound, 3))
+    assert launches["auto"] <= min(launches["depth"], launches["agenda"]), launches
+    assert fb.Graph().strategy == "auto"

@@ -24,7 +24,7 @@ from . import signatures
 from .errors import GraphError
 
 Shape = tuple[int, ...]
-STRATEGIES = ("none", "depth", "agenda")
+STRATEGIES = ("none", "depth", "agenda", "auto")
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,7 +158,7 @@ class Graph:
     `GraphError`).
     """
 
-    def __init__(self, strategy: str = "agenda", device: str | torch.device | None = None,
+    def __init__(self, strategy: str = "auto", device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, debug: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -466,7 +466,7 @@ def current_graph() -> Graph:
     return graph
 
 
-def new_graph(strategy: str = "agenda", device: str | torch.device | None = None,
+def new_graph(strategy: str = "auto", device: str | torch.device | None = None,
               dtype: torch.dtype = torch.float32) -> Graph:
     """Close the current default graph and start a fresh one (DyNet's `renew_cg`).
 

@@ -1,7 +1,7 @@
 """Scheduling: group the pending nodes of a graph into batches, each run as one kernel.
 
 A `Schedule` is plain data (lists of node ids in row order), so it can be printed, counted and
-tested without running anything. Three strategies:
+tested without running anything. Four strategies:
 
 - `none`: one batch per node, in creation order (the unbatched baseline).
 - `depth` (TensorFlow Fold): nodes of equal signature at equal depth form one batch.
@@ -11,6 +11,12 @@ tested without running anything. Three strategies:
 
 The agenda is completed by per-signature ranks (the most nodes of a node's signature on any path
 ending at it): each (signature, rank) group runs as one batch as soon as all of it is ready.
+
+- `auto` (the default): the fewest launches among several schedules, stopping at the first that
+  reaches the lower bound: the ranked agenda whose fallback, when no group is complete, runs the
+  ready group with the longest path to the end of the forward (critical path); the agenda
+  above; `depth`; and `depth`'s latest-possible twin. Never worse than `depth` or `agenda`.
+
 Scheduling also fixes where each node's value will live (`graph.node_batch/node_row`) and orders
 the rows of each batch by where its most recent input lives, so that the next batch usually
 finds its inputs as a contiguous, in-order run of an earlier result and reads them without a copy.
