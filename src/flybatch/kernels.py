@@ -1,16 +1,27 @@
-"""Batched kernels at the machine's speed: the GEMM path of shared-weight products.
+"""Batched kernels: the GEMM path of shared-weight products.
 
 Every product with a shared parameter (`W @ x`, `affine`, the fused cells) goes through
 `linear(x, W, b)`. On a CPU in float32 it can run through oneDNN with the weight prepacked into
-oneDNN's blocked layout (`mkldnn._linear_pointwise`), which beats MKL's `addmm` on this
-machine for most of flybatch's shapes (about 107 vs 87-99 GFLOP/s on one core, more for thin
-batches) and loses on tiny outputs, where its ~12 us call overhead dominates.
-So the path is chosen per shape class by a one-time calibration against the default, and a
-weight is packed once per parameter version (an optimizer step makes a new version) and reused
-by every launch. float64, CUDA and non-parameter operands use the default path (cuBLAS as is).
+oneDNN's blocked layout (`mkldnn._linear_pointwise`): packed once per parameter version (an
+optimizer step makes a new version) and reused by every launch, backward's dX = dY W on the
+packed transpose. In mode "auto" the path is chosen per shape class by a one-time calibration
+against the default, forward and backward timed together for products autograd records.
+float64, CUDA and non-parameter operands always take the default path (cuBLAS as is).
 
-`set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) forces
-a path; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
+The default mode is "default" (torch's own product, MKL here), because oneDNN did not pay on
+the benchmark machine (one AMD EPYC core, 2026-11-23): alone it is 5-25% faster per forward
+GEMM (about 103-111 vs 85-101 GFLOP/s, the core's FMA peak being ~115) and 0-12% per
+forward + backward, but in the benchmarks, alternating paths minibatch by minibatch in one
+process, "auto" trained the Tree-LSTM at 0.97x and the BiLSTM tagger at 1.01x of "default".
+The GEMMs there are a quarter to two fifths of a step, so the gain on paper is a few percent,
+and in situ it is lost: oneDNN creates a primitive per new batch size (~0.5 ms each, and a
+tree's batch sizes vary; warming up 12 minibatches with a large primitive cache did not change
+the result), and, unmeasured, the packed copies add to the weights' cache footprint. "auto"
+also makes results depend on a noisy timing. On a machine where oneDNN wins, opt in with
+FLYBATCH_GEMM=auto.
+
+`set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) picks
+the mode; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
 """
 
 from __future__ import annotations
@@ -26,9 +37,9 @@ import torch.nn.functional as F
 GEMM_MODES = ("default", "auto", "onednn")
 gemm_counts: dict[str, int] = {"default": 0, "onednn": 0}
 
-_mode = "auto"
+_mode = "default"
 # (m bucket, k, n, transposed, with backward) -> "default" | "onednn", measured once per process.
-_decisions: dict[tuple[int, int, int, bool], str] = {}
+_decisions: dict[tuple[int, int, int, bool, bool], str] = {}
 
 
 def set_gemm(mode: str) -> None:
@@ -44,7 +55,7 @@ def get_gemm() -> str:
     return _mode
 
 
-set_gemm(os.environ.get("FLYBATCH_GEMM", "auto"))
+set_gemm(os.environ.get("FLYBATCH_GEMM", "default"))
 
 
 # ---- packed weights, one per parameter version ------------------------------------------------
