@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "schedule.h"
-#include "store.h"
 
 namespace {
 
@@ -315,4 +314,4 @@ PyModuleDef kModule = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__core() { return flybatch::register_store(PyModule_Create(&kModule)); }
+PyMODINIT_FUNC PyInit__core() { return PyModule_Create(&kModule); }
