@@ -182,6 +182,21 @@ class StoreSlice {
   std::optional<Int64Buffer> ptr_out_, flat_out_;
 };
 
+// graph.forward_ends as the core's forwards: those that ended within the first n nodes, then
+// the rest.
+std::vector<i64> forward_cuts(PyObject* forward_ends, i64 n) {
+  if (!PyList_Check(forward_ends)) fail(PyExc_TypeError, "forward_ends must be a list of ints");
+  std::vector<i64> ends(PyList_GET_SIZE(forward_ends));
+  read_ints(forward_ends, "forward_ends", 0, static_cast<i64>(ends.size()), ends.data());
+  std::vector<i64> cuts;
+  for (std::size_t i = 0; i < ends.size(); ++i) {
+    if (ends[i] <= (i ? ends[i - 1] : 0)) fail(PyExc_ValueError, "forward_ends must ascend");
+    if (ends[i] < n) cuts.push_back(ends[i]);
+  }
+  if (n > 0) cuts.push_back(n);
+  return cuts;
+}
+
 flybatch::Strategy strategy_of(const std::string& name) {
   if (name == "none") return flybatch::Strategy::none;
   if (name == "depth") return flybatch::Strategy::depth;
@@ -193,10 +208,11 @@ flybatch::Strategy strategy_of(const std::string& name) {
 const char kScheduleDoc[] =
     "schedule(strategy, start, end, sigs, depths, arg_end, arg_flat, ops, node_batch, node_row,\n"
     "         first_batch, arg_ptr_out, arg_flat_out, order_out, ends_out) -> int\n\n"
-    "Batch the store's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'). Writes each node's\n"
-    "(batch, row) into node_batch/node_row, this forward's inputs as a CSR array (arg_ptr_out,\n"
-    "relative to arg_flat_out) and the node ids of the batches, in batch and row order, into\n"
-    "order_out, with the end of each batch in ends_out. Returns the number of batches.";
+    "Batch the store's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'). Writes each\n"
+    "node's (batch, row) into node_batch/node_row, this forward's inputs as a CSR array\n"
+    "(arg_ptr_out, relative to arg_flat_out) and the node ids of the batches, in batch and row\n"
+    "order, into order_out, with the end of each batch in ends_out. Returns the number of\n"
+    "batches.";
 
 PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {
@@ -247,18 +263,61 @@ PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
     return nullptr;
   return guarded([&]() -> PyObject* {
     const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
-    if (!PyList_Check(forward_ends)) fail(PyExc_TypeError, "forward_ends must be a list of ints");
-    std::vector<i64> ends(PyList_GET_SIZE(forward_ends));
-    read_ints(forward_ends, "forward_ends", 0, static_cast<i64>(ends.size()), ends.data());
-    std::vector<i64> cuts;  // forwards that ended within the first n nodes, then the rest
-    for (std::size_t i = 0; i < ends.size(); ++i) {
-      if (ends[i] <= (i ? ends[i - 1] : 0)) fail(PyExc_ValueError, "forward_ends must ascend");
-      if (ends[i] < n) cuts.push_back(ends[i]);
-    }
-    if (n > 0) cuts.push_back(n);
+    const std::vector<i64> cuts = forward_cuts(forward_ends, n);
     OpTable table(ops);
     return PyLong_FromLongLong(
         flybatch::lower_bound(store.nodes, cuts, [&](i64 node) { return table(node); }));
+  });
+}
+
+const char kSplitsDoc[] =
+    "signature_splits(n, sigs, arg_end, arg_flat, ops, forward_ends, node_batch)\n"
+    "    -> dict[int, tuple[int, dict[int, int]]]\n\n"
+    "Per signature of the store's first n nodes that launches a kernel: its lower bound (summed\n"
+    "over forwards) and what its nodes that missed their (signature, rank) group's first launch\n"
+    "waited on: input signature -> inputs computed at or after that launch (node_batch: where\n"
+    "the schedule put each node).";
+
+PyObject* py_signature_splits(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"n",   "sigs",         "arg_end",    "arg_flat",
+                                "ops", "forward_ends", "node_batch", nullptr};
+  long long n;
+  PyObject *sigs, *arg_end, *arg_flat, *ops, *forward_ends, *node_batch;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOOO:signature_splits",
+                                   const_cast<char**>(names), &n, &sigs, &arg_end, &arg_flat, &ops,
+                                   &forward_ends, &node_batch))
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
+    const std::vector<i64> cuts = forward_cuts(forward_ends, n);
+    Int64Buffer batch_of(node_batch, "node_batch", n);
+    OpTable table(ops);
+    const std::vector<flybatch::SignatureSplit> splits = flybatch::signature_splits(
+        store.nodes, cuts, [&](i64 node) { return table(node); }, batch_of.data());
+    PyObject* out = PyDict_New();
+    if (!out) throw PythonError{};
+    for (const flybatch::SignatureSplit& split : splits) {
+      if (split.bound == 0) continue;  // leaves
+      PyObject* waited = PyDict_New();
+      bool ok = waited != nullptr;
+      for (auto it = split.waited_on.begin(); ok && it != split.waited_on.end(); ++it) {
+        PyObject *key = PyLong_FromLongLong(it->first), *count = PyLong_FromLongLong(it->second);
+        ok = key && count && PyDict_SetItem(waited, key, count) == 0;
+        Py_XDECREF(key);
+        Py_XDECREF(count);
+      }
+      PyObject *sig = ok ? PyLong_FromLongLong(split.sig) : nullptr,
+               *value = ok ? Py_BuildValue("(LO)", split.bound, waited) : nullptr;
+      ok = sig && value && PyDict_SetItem(out, sig, value) == 0;
+      Py_XDECREF(sig);
+      Py_XDECREF(value);
+      Py_XDECREF(waited);
+      if (!ok) {
+        Py_DECREF(out);
+        throw PythonError{};
+      }
+    }
+    return out;
   });
 }
 
@@ -300,6 +359,9 @@ PyMethodDef kMethods[] = {
      METH_VARARGS | METH_KEYWORDS, kScheduleDoc},
     {"lower_bound", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_lower_bound)),
      METH_VARARGS | METH_KEYWORDS, kLowerBoundDoc},
+    {"signature_splits",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_signature_splits)),
+     METH_VARARGS | METH_KEYWORDS, kSplitsDoc},
     {"signature_ranks",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_signature_ranks)),
      METH_VARARGS | METH_KEYWORDS, kRanksDoc},

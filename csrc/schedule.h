@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 namespace flybatch {
@@ -60,5 +61,17 @@ std::vector<std::int32_t> signature_ranks(const Nodes& nodes, const OpFlagsOf& f
 // one path, summed. `forward_ends`: where each forward's nodes end, ascending, `all.n` last.
 i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
                 const OpFlagsOf& flags_of);
+
+// Why a signature took more launches than its bound, per interned signature of the first n
+// nodes: its bound (summed over forwards) and, for the nodes that missed the first launch of
+// their (signature, rank) group, the signatures of the inputs computed at or after that launch
+// (how many such inputs): what they waited on. `node_batch`: the placement of the schedule run.
+struct SignatureSplit {
+  i64 sig = 0;
+  i64 bound = 0;
+  std::map<i64, i64> waited_on;  // input signature -> inputs
+};
+std::vector<SignatureSplit> signature_splits(const Nodes& all, const std::vector<i64>& forward_ends,
+                                             const OpFlagsOf& flags_of, const i64* node_batch);
 
 }  // namespace flybatch

@@ -150,6 +150,23 @@ def test_auto_reaches_the_bound_where_the_agenda_split_a_group():
     assert stats.batches == stats.lower_bound == 12
 
 
+def test_stats_say_what_a_split_signature_waited_on():
+    """Two chains, tanh-sigmoid and sigmoid-tanh: tanh and sigmoid each have a bound of 1, but
+    one of them must run twice, its second launch waiting on the other signature."""
+    with fb.Graph(strategy="auto") as g:
+        x = fb.input(torch.zeros(2))
+        fb.esum([fb.sigmoid(fb.tanh(x)), fb.tanh(fb.sigmoid(x))]).value()
+        stats = g.stats()
+    assert stats.batches == 4 and stats.lower_bound == 3
+    split = [sig for sig, n in stats.by_signature.items() if n == 2]
+    assert len(split) == 1
+    bound, waited = stats.splits[split[0]]
+    other = "tanh" if split[0].startswith("sigmoid") else "sigmoid"
+    assert bound == 1 and list(waited) == [next(s for s in stats.by_signature
+                                                 if s.startswith(other))]
+    assert "(waited on " in str(stats)
+
+
 # ---- cost independent of the number of signatures --------------------------------------------
 MANY_SHAPES = """
 import json, random, resource, torch

@@ -7,6 +7,10 @@ it on any path. Value requests split a graph into forwards whose nodes cannot sh
 so the bound is summed over the forwards that computed the nodes (pending nodes: one more).
 Computed by the compiled core with the agenda's per-signature ranks (csrc/schedule.cpp), in time
 and memory linear in nodes + edges whatever the number of signatures.
+
+`splits` says, per signature, why it took more launches than its own bound: the nodes that
+missed the first launch of their (signature, rank) group waited on inputs computed at or after
+that launch; their signatures are counted (`print(stats)` shows them).
 """
 
 from __future__ import annotations
@@ -33,11 +37,18 @@ class Stats:
     gathers_avoided: int               # inputs read as a view (contiguous run or shared node)
     seconds: dict = field(default_factory=dict)  # build, schedule, forward, backward
     _bound: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+    _splits: Callable[[], dict] = field(default=dict, repr=False, compare=False)
 
     @cached_property
     def lower_bound(self) -> int:
         """Launches no schedule can beat; computed on first use (it is a pass over the graph)."""
         return self._bound()
+
+    @cached_property
+    def splits(self) -> dict[str, tuple[int, Counter]]:
+        """Readable signature -> (its bound, Counter: signature waited on -> inputs), for the
+        nodes already run; computed on first use."""
+        return self._splits()
 
     @property
     def launches_over_bound(self) -> float:
@@ -49,10 +60,12 @@ class Stats:
             f"(lower bound {self.lower_bound}, ratio {self.launches_over_bound:.2f})",
             f"gathers {self.gathers} made, {self.gathers_avoided} avoided; time "
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items()),
-            f"{'launches':>9}  signature",
+            f"{'launches':>9}  {'bound':>5}  signature",
         ]
         for sig, n in self.by_signature.most_common():
-            lines.append(f"{n:9d}  {sig}")
+            bound, waited = self.splits.get(sig, (0, Counter()))
+            why = ", ".join(f"{w} x{k}" for w, k in waited.most_common())
+            lines.append(f"{n:9d}  {bound:5d}  {sig}" + (f"  (waited on {why})" if why else ""))
         return "\n".join(lines)
 
 
@@ -61,7 +74,7 @@ def collect(graph: "Graph") -> Stats:
     by_sig = Counter(signatures.describe(sig, graph) for sig, _ in graph.launches)
     return Stats(graph.strategy, graph.n_nodes, len(graph.launches), sizes, by_sig,
                  graph.gathers, graph.gathers_avoided, dict(graph.seconds),
-                 partial(lower_bound, graph, graph.n_nodes))
+                 partial(lower_bound, graph, graph.n_nodes), partial(splits, graph, graph.n_done))
 
 
 def lower_bound(graph: "Graph", n: int | None = None) -> int:
@@ -69,3 +82,18 @@ def lower_bound(graph: "Graph", n: int | None = None) -> int:
     return _core.lower_bound(
         n=graph.n_nodes if n is None else n, sigs=graph.sigs, arg_end=graph.arg_end,
         arg_flat=graph.arg_flat, ops=graph.ops, forward_ends=graph.forward_ends)
+
+
+def splits(graph: "Graph", n: int) -> dict[str, tuple[int, Counter]]:
+    """Per signature of the first `n` (scheduled) nodes: its bound and what it waited on."""
+    found = _core.signature_splits(
+        n=n, sigs=graph.sigs, arg_end=graph.arg_end, arg_flat=graph.arg_flat, ops=graph.ops,
+        forward_ends=graph.forward_ends, node_batch=graph.node_batch)
+    out: dict[str, tuple[int, Counter]] = {}
+    for sig, (bound, waited) in found.items():
+        name = signatures.describe(sig, graph)
+        total, why = out.get(name, (0, Counter()))
+        for w, k in waited.items():
+            why[signatures.describe(w, graph)] += k
+        out[name] = (total + bound, why)
+    return out
