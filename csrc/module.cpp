@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "schedule.h"
+#include "store.h"
 
 namespace {
 
@@ -376,4 +377,4 @@ PyModuleDef kModule = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__core() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__core() { return flybatch::register_store(PyModule_Create(&kModule)); }

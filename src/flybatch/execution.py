@@ -40,11 +40,10 @@ def run(graph: "Graph", plan: Schedule) -> None:
     pieces: dict[int, torch.Tensor] = {}
     for source in [s for s in fanned if s < plan.first_batch]:
         _fan_out(graph, source, fanned[source], reads, pieces)
-    values, shapes, ops, attrs = graph.values, graph.shapes, graph.ops, graph.attrs
-    no_grad = graph.no_grad_nodes
+    values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
     for nodes, (arg_reads, stacked) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
-        op = ops[first]
+        op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
@@ -54,21 +53,21 @@ def run(graph: "Graph", plan: Schedule) -> None:
                 attr = stacked  # each node's number of arguments
             else:
                 if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                    arg_shape = shapes[graph.args_of(first)[0]]
+                    arg_shape = shape_of(graph.args_of(first)[0])
                     xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked,
                                                                              *arg_shape)
-                attr = [attrs[int(v)] for v in nodes] if op.per_node_attrs else attrs[first]
+                attr = [attr_of(v) for v in nodes] if op.per_node_attrs else attr_of(first)
             if op.random:  # one sample per node, never one broadcast row for all
                 xs = [x.expand(size, *x.shape[1:]) for x in xs]
-            if first in no_grad:  # written under torch.no_grad() (the whole batch was)
+            if graph.is_no_grad(first):  # written under torch.no_grad() (the whole batch was)
                 with torch.no_grad():
-                    out = _guarded(graph, nodes, op.kernel, xs, attr, shapes[first])
+                    out = _guarded(graph, nodes, op.kernel, xs, attr, shape_of(first))
             else:
-                out = _guarded(graph, nodes, op.kernel, xs, attr, shapes[first])
+                out = _guarded(graph, nodes, op.kernel, xs, attr, shape_of(first))
             if out.shape[0] != size:
                 out = out.expand(size, *out.shape[1:])
             values.append(out)
-            graph.launches.append((graph.sigs[first], size))
+            graph.launches.append((graph.sig_of(first), size))
         source = len(values) - 1
         if source in fanned:
             _fan_out(graph, source, fanned[source], reads, pieces)
@@ -81,15 +80,15 @@ def _refresh_parameters(graph: "Graph") -> None:
     for node in graph.parameter_nodes:
         if node >= graph.n_done:
             break  # computed by this forward's own parameter kernel
-        tensor = graph.attrs[node]
+        tensor = graph.attr_of(node)
         batch = graph.node_batch[node]
         cached = graph.values[batch]
         if cached.data_ptr() == tensor.data_ptr() and cached.shape[1:] == tensor.shape:
             continue
-        if tuple(tensor.shape) != graph.shapes[node]:
+        if tuple(tensor.shape) != graph.shape_of(node):
             raise ExecutionError(f"parameter #{node}: its tensor was rebound to shape "
                                  f"{tuple(tensor.shape)} after nodes of shape "
-                                 f"{graph.shapes[node]} were written with it")
+                                 f"{graph.shape_of(node)} were written with it")
         graph.values[batch] = tensor.unsqueeze(0)
 
 
@@ -101,8 +100,8 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
     except Exception as error:
         first = int(nodes[0])
         shown = ", ".join(f"#{int(v)}" for v in nodes[:5]) + (", ..." if len(nodes) > 5 else "")
-        message = (f"{graph.ops[first].name} kernel failed on a batch of {len(nodes)} node(s) "
-                   f"({shown}; signature {signatures.describe(graph.sigs[first], graph)}): "
+        message = (f"{graph.op_of(first).name} kernel failed on a batch of {len(nodes)} node(s) "
+                   f"({shown}; signature {signatures.describe(graph.sig_of(first), graph)}): "
                    f"{type(error).__name__}: {error}")
         if graph.origins is not None:
             lines = [graph.origins[int(v)] for v in nodes[:5] if int(v) in graph.origins]
@@ -122,11 +121,10 @@ def _plan_reads(graph: "Graph", plan: Schedule
     The columns (one per argument position of each batch) are classified together, with one
     numpy pass over all of them, because a forward may hold thousands of small batches.
     """
-    ops = graph.ops
     columns: list[np.ndarray] = []
     shape_of_batch: list[tuple[int, int | np.ndarray]] = []  # (columns, stacked arity or arities)
     for nodes in plan.batches:
-        op = ops[int(nodes[0])]
+        op = graph.op_of(nodes[0])
         local = nodes - plan.start
         arity = int(plan.arg_ptr[local[0] + 1] - plan.arg_ptr[local[0]])
         if op.leaf or arity == 0:

@@ -1,7 +1,8 @@
 """The lazy per-instance graph: a struct-of-arrays node store and the handles users hold.
 
 Creating a node does no torch work: it appends the op, its argument node ids, the inferred shape,
-the interned signature and the depth to plain Python lists and returns an `Expression` handle.
+the interned signature and the depth to the columns of the compiled node store (`_core.Store`,
+csrc/store.cpp, which `Graph` subclasses) and returns an `Expression` handle (a C object).
 A forward (asked for by `value()`, `backward()` or `Graph.forward`) schedules every pending node
 (`scheduling.py`) and runs the schedule as batched kernels (`execution.py`). Node ids are
 creation order, which is a topological order, so "pending" is simply `ids >= n_done`.
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from . import signatures
+from . import _core, signatures
 from .errors import GraphError
 
 Shape = tuple[int, ...]
@@ -55,17 +56,17 @@ class Op:
 
 
 def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
-    return torch.stack([graph.attrs[n] for n in nodes]).to(graph.device, graph.dtype)
+    return torch.stack([graph.attr_of(n) for n in nodes]).to(graph.device, graph.dtype)
 
 
 def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
     (node,) = nodes  # a parameter is one node per graph, never batched with another
-    return graph.attrs[node].unsqueeze(0)
+    return graph.attr_of(node).unsqueeze(0)
 
 
 def _filled_kernel(value: float) -> Callable[["Graph", Sequence[int]], torch.Tensor]:
     def kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
-        shape = (len(nodes),) + graph.shapes[nodes[0]]
+        shape = (len(nodes),) + graph.shape_of(nodes[0])
         return torch.full(shape, value, device=graph.device, dtype=graph.dtype)
 
     return kernel
@@ -77,22 +78,18 @@ ZEROS = Op("zeros", _filled_kernel(0.0), leaf=True)
 ONES = Op("ones", _filled_kernel(1.0), leaf=True)
 
 
-class Expression:
-    """A handle on one node of a graph. Nothing is computed until a value is asked for."""
+class Expression(_core.Expression):
+    """A handle on one node of a graph. Nothing is computed until a value is asked for.
 
-    __slots__ = ("graph", "id")
+    The handle itself (`graph`, `id`, `shape`) is the compiled core's: creating one costs
+    tens of nanoseconds and no __dict__. `Expression(graph, node)` makes one by hand.
+    """
 
-    def __init__(self, graph: "Graph", node: int):
-        self.graph = graph
-        self.id = node
-
-    @property
-    def shape(self) -> Shape:
-        return self.graph.shapes[self.id]
+    __slots__ = ()
 
     @property
     def op(self) -> str:
-        return self.graph.ops[self.id].name
+        return self.graph.op_of(self.id).name
 
     def value(self) -> torch.Tensor:
         """This node's value, running one batched forward over every pending node if needed."""
@@ -150,12 +147,16 @@ def _plain(x: Any) -> Any:
     return x.value() if isinstance(x, Expression) else x
 
 
-class Graph:
+class Graph(_core.Store):
     """A computation graph that batches the nodes of many instances on the fly.
 
     Use it as a context manager to make it current (in this thread or task only); leaving the
     outermost `with` block closes it and frees its values (expressions of a closed graph raise
     `GraphError`).
+
+    Its nodes live in the compiled store it subclasses: `add`, `shape_of`, `op_of`, `attr_of`,
+    `args_of`, `is_no_grad`, `n_nodes`, `n_done`, and `view(name)`, zero-copy buffers of the
+    columns for the scheduler (see `_core.Store.view`).
     """
 
     def __init__(self, strategy: str = "auto", device: str | torch.device | None = None,
@@ -170,24 +171,14 @@ class Graph:
         self.strategy = strategy
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
-        # The node store, one entry per node (struct of arrays).
-        self.ops: list[Op] = []
-        # Inputs of node v: arg_flat[arg_end[v-1]:arg_end[v]] (flat ints: no tuple kept per node)
-        self.arg_flat: list[int] = []
-        self.arg_end: list[int] = []
-        self.shapes: list[Shape] = []
-        self.sigs: list[int] = []
-        # This graph's signature table (see signatures.py): key -> int, and int -> key, which
-        # stays after close so that `stats()` can still describe the launches.
-        self.sig_ids: dict[tuple, int] = {}
-        self.sig_keys: list[tuple] = []
+        # The node store is the compiled base class, with this graph's signature table
+        # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
+        # `stats()` can still describe the launches).
         self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
-        self.depths: list[int] = []  # longest path from a leaf through pending nodes
-        self.attrs: list[Any] = []
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
         self.parameter_tags: dict[int, tuple] = {}  # parameter node -> its signature tag
-        # Execution state: node -> (batch, row) of `values`, filled by the scheduler.
-        self.n_done = 0
+        # Execution state: node -> (batch, row) of `values`, filled by the scheduler; nodes
+        # below `n_done` (a store field) are computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
         self.node_batch = np.zeros(0, dtype=np.int64)
@@ -197,15 +188,16 @@ class Graph:
         self.gathers_avoided = 0
         self.forwards = 0  # forwards that executed pending nodes (map_batched counts rounds by it)
         self.seconds = {"build": 0.0, "schedule": 0.0, "forward": 0.0, "backward": 0.0}
-        self.closed = False
         # Set by `map_batched`: called before a value request forces a forward, so that the
         # instance can wait until every other instance has asked too.
         self.before_value_request: Callable[[], None] | None = None
-        self.no_grad_nodes: set[int] = set()  # nodes written under torch.no_grad()
         self.parameter_nodes: list[int] = []  # re-read by every forward (see execution.run)
         # With `debug=True`, node -> "file:line: code" of the user's line that wrote it, so a
         # kernel failure can point there.
-        self.origins: dict[int, str] | None = {} if debug else None
+        self.origins: dict[int, str] | None = None
+        if debug:
+            self.origins = {}
+            self.origin_hook = self._record_origin
         self._idle_since = time.perf_counter()
         # One token per open `with` block (re-entering nests, in one context or several): each
         # exit restores the graph that was current before its entry, and only the last one
@@ -214,42 +206,18 @@ class Graph:
         self.map_batched_runs = 0  # `map_batched` calls running on this graph (see new_graph)
 
     # ---- node creation -------------------------------------------------------------------
-    def add(self, op: Op, args: tuple[int, ...], shape: Shape, sig_key: tuple,
-            attr: Any = None) -> Expression:
-        """Append a node; the hot path of graph building, so plain Python, no extra calls."""
-        if self.closed:
-            raise GraphError("this graph is closed; create a new one (fb.Graph() / fb.new_graph())")
-        if args and not torch.is_grad_enabled():
-            # Grad mode is the one in force when the node is written, as eagerly: such a node
-            # runs without grad and never shares a kernel with nodes that carry gradient.
-            sig_key = ("no_grad", sig_key)
-            self.no_grad_nodes.add(len(self.depths))
-        if self.origins is not None:
-            self.origins[len(self.depths)] = _user_line()
-        sig = self.sig_ids.get(sig_key)
-        if sig is None:
-            sig = signatures.intern(self, sig_key)
-        # Depth counts pending inputs only: an input computed by an earlier forward is as
-        # available as a leaf, so the next forward's scheduling should not wait for it.
-        depths, done = self.depths, self.n_done
-        if len(args) == 1:
-            a = args[0]
-            depth = (depths[a] if a >= done else 0) + 1
-        elif len(args) == 2:
-            a, b = args
-            depth = max(depths[a] if a >= done else 0, depths[b] if b >= done else 0) + 1
-        else:
-            depth = 1 + max([depths[a] if a >= done else 0 for a in args]) if args else 0
-        node = len(depths)
-        depths.append(depth)
-        self.ops.append(op)
-        arg_flat = self.arg_flat
-        arg_flat.extend(args)
-        self.arg_end.append(len(arg_flat))
-        self.shapes.append(shape)
-        self.sigs.append(sig)
-        self.attrs.append(attr)
-        return Expression(self, node)
+    # `add(op, args, shape, sig_key, attr=None)` is the store's (csrc/store.cpp): it appends a
+    # node, marking it when written under torch.no_grad(), and returns its Expression.
+
+    def _record_origin(self, node: int) -> None:
+        self.origins[node] = _user_line()
+
+    # The columns as Python lists, for readers of lists (extended, not rebuilt, per call).
+    sigs = property(lambda self: self.column("sigs"))
+    depths = property(lambda self: self.column("depths"))
+    arg_end = property(lambda self: self.column("arg_end"))
+    arg_flat = property(lambda self: self.column("arg_flat"))
+    ops = property(lambda self: self.column("ops"))
 
     def parameter_node(self, tensor: torch.Tensor) -> int:
         """The one node of `tensor` in this graph, so every use of it shares its signature."""
@@ -257,7 +225,7 @@ class Graph:
         node = self._leaf_nodes.get(key)
         if node is None:
             self.check_tensor("parameter", tensor)
-            node = len(self.ops)
+            node = self.n_nodes
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
             self.parameter_nodes.append(node)
@@ -285,7 +253,7 @@ class Graph:
         key = (kind, shape, struct.pack("d", value))
         node = self._leaf_nodes.get(key)
         if node is None:
-            node = len(self.ops)
+            node = self.n_nodes
             if kind == "zeros":
                 self.add(ZEROS, (), shape, ("zeros", shape))
             elif kind == "ones":
@@ -318,15 +286,7 @@ class Graph:
             raise GraphError(f"{x!r} belongs to another graph; one op cannot mix two graphs")
         return x.id
 
-    def args_of(self, node: int) -> tuple[int, ...]:
-        """The input node ids of `node`."""
-        return tuple(self.arg_flat[self.arg_end[node - 1] if node else 0:self.arg_end[node]])
-
     # ---- evaluation ----------------------------------------------------------------------
-    @property
-    def n_nodes(self) -> int:
-        return len(self.ops)
-
     def forward(self, exprs: Iterable[Expression] | None = None) -> list[torch.Tensor] | None:
         """Run every pending node as batched kernels; return the values of `exprs` if given.
 
@@ -403,11 +363,9 @@ class Graph:
 
     def close(self) -> None:
         """Free the values (and the autograd graph behind them); further use raises GraphError."""
-        self.closed = True
+        super().close()
         self.values = []
-        self.attrs = []
         self._leaf_nodes = {}
-        self.sig_ids = {}
         self.tags = {}
 
     def __enter__(self) -> "Graph":
@@ -484,3 +442,6 @@ def new_graph(strategy: str = "auto", device: str | torch.device | None = None,
         old.close()
     _current.set(graph)
     return graph
+
+
+_core.configure(Expression, GraphError, torch._C.is_grad_enabled)

@@ -56,7 +56,7 @@ class FusedModule(nn.Module):
         g = ops.graph_of(*inputs)
         nodes = [x.id if type(x) is Expression and x.graph is g else ops.node(g, x)
                  for x in inputs]
-        shapes = tuple([g.shapes[n] for n in nodes])
+        shapes = tuple([g.shape_of(n) for n in nodes])
         if shapes != expect:
             k = next(k for k, (s, e) in enumerate(zip(shapes, expect)) if s != e)
             raise ShapeError(f"{op.name}: argument {k} has shape {shapes[k]}, expected {expect[k]}")

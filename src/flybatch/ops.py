@@ -174,7 +174,7 @@ def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], cheap: bool = 
 
     def apply(x: Operand) -> Expression:
         g, n = unary_operand(x)
-        shape = g.shapes[n]
+        shape = g.shape_of(n)
         return g.add(op, (n,), shape, (name, shape))
 
     apply.__name__ = name
@@ -217,7 +217,7 @@ def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor])
 
     def apply(a: Operand, b: Operand) -> Expression:
         g, na, nb = binary_operands(a, b)
-        sa, sb = g.shapes[na], g.shapes[nb]
+        sa, sb = g.shape_of(na), g.shape_of(nb)
         shape = sa if sa == sb else broadcast_shapes(name, sa, sb)
         return g.add(op, (na, nb), shape, (name, sa, sb))
 
@@ -251,7 +251,7 @@ MATMUL = Op("matmul", _matmul_kernel)
 def matmul(a: Operand, b: Operand) -> Expression:
     """`a @ b` for vectors and matrices (per instance), as `torch.matmul`."""
     g, na, nb = binary_operands(a, b)
-    sa, sb = g.shapes[na], g.shapes[nb]
+    sa, sb = g.shape_of(na), g.shape_of(nb)
     if not (1 <= len(sa) <= 2 and 1 <= len(sb) <= 2) or sa[-1] != sb[0]:
         raise ShapeError(f"matmul: cannot multiply shapes {sa} and {sb}")
     shape = sa[:-1] + sb[1:]
@@ -272,7 +272,7 @@ AFFINE = Op("affine", _affine_kernel)
 def affine(W: Operand, x: Operand, b: Operand) -> Expression:
     """`W @ x + b` as one node (one `addmm` per batch)."""
     g, (nw, nx, nb) = list_operands((W, x, b))
-    sw, sx, sb = g.shapes[nw], g.shapes[nx], g.shapes[nb]
+    sw, sx, sb = g.shape_of(nw), g.shape_of(nx), g.shape_of(nb)
     if len(sw) != 2 or sx != (sw[1],) or sb != (sw[0],):
         raise ShapeError(f"affine: W {sw} @ x {sx} + b {sb} do not fit")
     return g.add(AFFINE, (nw, nx, nb), (sw[0],),
@@ -324,12 +324,11 @@ def _same_shape_list(name: str, op: Op, xs: Sequence[Operand]) -> Expression:
     if len(xs) == 0:
         raise ValueError(f"{name}: needs at least one expression")
     g, nodes = list_operands(xs)
-    shapes = g.shapes
-    shape = shapes[nodes[0]]
+    shape = g.shape_of(nodes[0])
     for n in nodes:
-        if shapes[n] != shape:
+        if g.shape_of(n) != shape:
             raise ShapeError(f"{name}: all shapes must be equal, got "
-                             f"{sorted({g.shapes[m] for m in nodes})}")
+                             f"{sorted({g.shape_of(m) for m in nodes})}")
     return g.add(op, nodes, shape, (name, shape) if op.ragged else (name, shape, len(nodes)))
 
 
@@ -364,7 +363,7 @@ def concat(xs: Sequence[Operand], dim: int = 0) -> Expression:
     if len(xs) == 0:
         raise ValueError("concat: needs at least one expression")
     g, nodes = list_operands(xs)
-    shapes = tuple([g.shapes[n] for n in nodes])
+    shapes = tuple([g.shape_of(n) for n in nodes])
     first = shapes[0]
     if not 0 <= dim < len(first):
         raise ShapeError(f"concat: dim {dim} out of range for shape {first}")
@@ -388,7 +387,7 @@ def _reduction(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
 
     def apply(x: Operand) -> Expression:
         g, n = unary_operand(x)
-        return g.add(op, (n,), (), (name, g.shapes[n]))
+        return g.add(op, (n,), (), (name, g.shape_of(n)))
 
     apply.__name__ = name
     return apply
@@ -402,7 +401,7 @@ squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
 def dot(a: Operand, b: Operand) -> Expression:
     """The dot product of two vectors of equal length, as `torch.dot`."""
     g, na, nb = binary_operands(a, b)
-    sa, sb = g.shapes[na], g.shapes[nb]
+    sa, sb = g.shape_of(na), g.shape_of(nb)
     if len(sa) != 1 or sa != sb:
         raise ShapeError(f"dot: needs two vectors of equal length, got shapes {sa} and {sb}")
     return matmul(Expression(g, na), Expression(g, nb))
@@ -417,7 +416,7 @@ def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
 
     def apply(x: Operand) -> Expression:
         g, n = unary_operand(x)
-        shape = g.shapes[n]
+        shape = g.shape_of(n)
         if len(shape) != 1:
             raise ShapeError(f"{name}: needs a vector, got shape {shape}")
         return g.add(op, (n,), shape, (name, shape))
@@ -471,7 +470,7 @@ def _checked_index(name: str, shape: Shape, i: int) -> int:
 def pick(x: Operand, i: int) -> Expression:
     """Element (or row) `i` of `x`: `x[i]` along the first per-instance dim."""
     g, n = unary_operand(x)
-    shape = g.shapes[n]
+    shape = g.shape_of(n)
     i = _checked_index("pick", shape, i)
     return g.add(PICK, (n,), shape[1:], ("pick", shape), i)
 
@@ -479,7 +478,7 @@ def pick(x: Operand, i: int) -> Expression:
 def pick_neg_log_softmax(x: Operand, label: int) -> Expression:
     """`-log(softmax(x)[label])`, the cross-entropy loss of one instance (one fused kernel)."""
     g, n = unary_operand(x)
-    shape = g.shapes[n]
+    shape = g.shape_of(n)
     if len(shape) != 1:
         raise ShapeError(f"pick_neg_log_softmax: needs a vector, got shape {shape}")
     label = _checked_index("pick_neg_log_softmax", shape, label)
@@ -493,7 +492,7 @@ SLICE = Op("slice", lambda xs, bounds, shape: xs[0][:, bounds[0]:bounds[1]], che
 def slice_rows(x: Operand, start: int, stop: int) -> Expression:
     """`x[start:stop]` along the first per-instance dim (a view, no copy)."""
     g, n = unary_operand(x)
-    shape = g.shapes[n]
+    shape = g.shape_of(n)
     if len(shape) == 0:
         raise ShapeError("slice: cannot slice a scalar")
     begin, end, step = builtin_slice(start, stop).indices(shape[0])
@@ -509,7 +508,7 @@ builtin_slice = slice
 def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
     """`x`'s elements in a new shape; one size may be -1, inferred from the others as in torch."""
     g, n = unary_operand(x)
-    old, asked = g.shapes[n], _as_shape("reshape", shape, inferred=1)
+    old, asked = g.shape_of(n), _as_shape("reshape", shape, inferred=1)
     size, known = math.prod(old), math.prod(d for d in asked if d != -1)
     # With no other elements (known == 0) a -1 could be any size: it stays, and is an error.
     new = tuple(size // known if d == -1 else d for d in asked) if known else asked
@@ -525,7 +524,7 @@ TRANSPOSE = Op("transpose", lambda xs, attr, shape: xs[0].transpose(1, 2), cheap
 def transpose(x: Operand) -> Expression:
     """The transpose of a matrix."""
     g, n = unary_operand(x)
-    shape = g.shapes[n]
+    shape = g.shape_of(n)
     if len(shape) != 2:
         raise ShapeError(f"transpose: needs a matrix, got shape {shape}")
     return g.add(TRANSPOSE, (n,), (shape[1], shape[0]), ("transpose", shape))
@@ -545,7 +544,7 @@ def dropout(x: Operand, p: float, training: bool = True) -> Expression:
     g, n = unary_operand(x)
     if not training:
         return x if isinstance(x, Expression) else Expression(g, n)
-    shape = g.shapes[n]
+    shape = g.shape_of(n)
     return g.add(DROPOUT, (n,), shape, ("dropout", shape, p), p)
 
 

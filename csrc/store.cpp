@@ -1,0 +1,685 @@
+// The node store (`_core.Store`, which graph.Graph subclasses) and the Expression handle
+// (`_core.Expression`, whose Python methods live on graph.Expression, a subclass with no
+// __dict__). Appending a node writes a few ints to columns and allocates one 32-byte handle;
+// the scheduler and executor read the columns as zero-copy buffers (`Store.view`).
+#include "store.h"
+
+#include <structmember.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <string>
+
+namespace flybatch {
+
+// ---- errors ------------------------------------------------------------------------------------
+void raise(PyObject* type, const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  PyErr_FormatV(type, format, args);
+  va_end(args);
+  throw PythonError{};
+}
+
+namespace {
+
+PyObject* g_expression_type = nullptr;  // graph.Expression: what new handles are
+PyObject* g_graph_error = nullptr;      // errors.GraphError
+PyObject* g_is_grad_enabled = nullptr;  // torch.is_grad_enabled
+// The op table: op code -> ops.Op, shared by every graph (ops are module constants).
+std::vector<PyObject*> g_ops;
+std::unordered_map<PyObject*, std::int32_t> g_op_codes;
+
+template <class Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
+i64 as_int(PyObject* x) {
+  const long long v = PyLong_AsLongLong(x);
+  if (v == -1 && PyErr_Occurred()) throw PythonError{};
+  return v;
+}
+
+// ---- Block: a column's storage, exported as a buffer ------------------------------------------
+void block_dealloc(PyObject* self) {
+  PyMem_RawFree(reinterpret_cast<Block*>(self)->data);
+  Py_TYPE(self)->tp_free(self);
+}
+
+int block_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  Block* b = reinterpret_cast<Block*>(self);
+  if (flags & PyBUF_WRITABLE) {
+    PyErr_SetString(PyExc_BufferError, "the node store's columns are read-only");
+    return -1;
+  }
+  // The shape of each export lives with the export: later ones may show more items.
+  Py_ssize_t* shape = static_cast<Py_ssize_t*>(PyMem_Malloc(sizeof(Py_ssize_t)));
+  if (!shape) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  *shape = b->exported;
+  view->obj = Py_NewRef(self);
+  view->buf = b->data;
+  view->len = b->exported * b->itemsize;
+  view->readonly = 1;
+  view->itemsize = b->itemsize;
+  view->format = (flags & PyBUF_FORMAT) ? const_cast<char*>(b->format) : nullptr;
+  view->ndim = 1;
+  view->shape = (flags & PyBUF_ND) ? shape : nullptr;
+  view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? &view->itemsize : nullptr;
+  view->suboffsets = nullptr;
+  view->internal = shape;
+  return 0;
+}
+
+void block_releasebuffer(PyObject*, Py_buffer* view) { PyMem_Free(view->internal); }
+
+PyBufferProcs kBlockBuffer = {block_getbuffer, block_releasebuffer};
+
+PyTypeObject BlockType = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
+  t.tp_name = "flybatch._core.Block";
+  t.tp_basicsize = sizeof(Block);
+  t.tp_dealloc = block_dealloc;
+  t.tp_as_buffer = &kBlockBuffer;
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_doc = "Storage of one column of a node store (exported as a read-only buffer).";
+  return t;
+}();
+
+}  // namespace
+
+Block* new_block(Py_ssize_t itemsize, const char* format, Py_ssize_t capacity) {
+  Block* b = PyObject_New(Block, &BlockType);
+  if (!b) throw PythonError{};
+  b->itemsize = itemsize;
+  b->capacity = capacity;
+  b->exported = 0;
+  b->format = format;
+  b->data = static_cast<char*>(PyMem_RawMalloc(capacity ? capacity * itemsize : 1));
+  if (!b->data) {
+    Py_DECREF(b);
+    throw std::bad_alloc();
+  }
+  return b;
+}
+
+// ---- KeyTable --------------------------------------------------------------------------------
+std::uint64_t KeyTable::hash(const i64* key, std::size_t n) {
+  std::uint64_t h = 0xcbf29ce484222325ull ^ n;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<std::uint64_t>(key[i])) * 0x100000001b3ull;
+  return h;
+}
+
+std::int32_t KeyTable::find(const i64* key, std::size_t n, std::uint64_t hash) const {
+  const auto [first, last] = ids_.equal_range(hash);
+  for (auto it = first; it != last; ++it)
+    if (length(it->second) == n && std::equal(key, key + n, this->key(it->second)))
+      return it->second;
+  return -1;
+}
+
+std::int32_t KeyTable::insert(const i64* key, std::size_t n, std::uint64_t hash) {
+  const auto id = static_cast<std::int32_t>(size());
+  pool_.insert(pool_.end(), key, key + n);
+  start_.push_back(pool_.size());
+  ids_.emplace(hash, id);
+  return id;
+}
+
+// ---- the store ---------------------------------------------------------------------------------
+i64 n_nodes(const Store* s) { return s->nodes->op.size(); }
+
+void check_open(const Store* s) {
+  if (s->closed)
+    raise(g_graph_error, "this graph is closed; create a new one (fb.Graph() / fb.new_graph())");
+}
+
+std::int32_t op_code(PyObject* op) {
+  const auto found = g_op_codes.find(op);
+  if (found != g_op_codes.end()) return found->second;
+  // Held for the life of the process: ops are module constants, a handful in all.
+  const auto code = static_cast<std::int32_t>(g_ops.size());
+  g_ops.push_back(Py_NewRef(op));
+  g_op_codes.emplace(op, code);
+  return code;
+}
+
+std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n) {
+  const std::uint64_t h = KeyTable::hash(dims, n);
+  std::int32_t id = s->shape_keys->find(dims, n, h);
+  if (id >= 0) return id;
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (!tuple) throw PythonError{};
+  for (std::size_t i = 0; i < n; ++i) {
+    PyObject* d = PyLong_FromLongLong(dims[i]);
+    if (!d) {
+      Py_DECREF(tuple);
+      throw PythonError{};
+    }
+    PyTuple_SET_ITEM(tuple, i, d);
+  }
+  s->shape_tuples->push_back(tuple);
+  return s->shape_keys->insert(dims, n, h);
+}
+
+const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n) {
+  *n = s->shape_keys->length(id);
+  return s->shape_keys->key(id);
+}
+
+bool grad_enabled() {
+  PyObject* mode = PyObject_CallNoArgs(g_is_grad_enabled);
+  if (!mode) throw PythonError{};
+  Py_DECREF(mode);  // True or False: immortal enough to compare after the decref
+  return mode == Py_True;
+}
+
+PyObject* new_expression(Store* s, i64 id) {
+  PyTypeObject* type = g_expression_type ? reinterpret_cast<PyTypeObject*>(g_expression_type)
+                                          : &ExpressionBase;
+  // tp_alloc: the Python subclass is a heap type, and those are garbage-collected objects.
+  Expression* e = reinterpret_cast<Expression*>(type->tp_alloc(type, 0));
+  if (!e) return nullptr;
+  e->graph = reinterpret_cast<Store*>(Py_NewRef(reinterpret_cast<PyObject*>(s)));
+  e->id = id;
+  return reinterpret_cast<PyObject*>(e);
+}
+
+PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
+                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad) {
+  Columns& c = *s->nodes;
+  const i64 node = n_nodes(s);
+  // Depth counts pending inputs only: an input computed by an earlier forward is as available
+  // as a leaf, so the next forward's scheduling should not wait for it.
+  i64 depth = 0;
+  for (std::size_t i = 0; i < n_args; ++i) {
+    const i64 a = args[i];
+    if (a >= s->n_done && c.depth[a] + 1 > depth) depth = c.depth[a] + 1;
+    if (a < s->n_done && depth < 1) depth = 1;
+  }
+  if (s->origin_hook) {  // debug mode: where the node was written, before anything is stored
+    PyObject* id = PyLong_FromLongLong(node);
+    if (!id) throw PythonError{};
+    PyObject* r = PyObject_CallOneArg(s->origin_hook, id);
+    Py_DECREF(id);
+    if (!r) throw PythonError{};
+    Py_DECREF(r);
+  }
+  PyObject* handle = new_expression(s, node);
+  if (!handle) throw PythonError{};
+  try {
+    if (c.arg_ptr.size() == 0) c.arg_ptr.push(0);
+    for (std::size_t i = 0; i < n_args; ++i) c.arg_flat.push(args[i]);
+    c.arg_ptr.push(c.arg_flat.size());
+    c.sig.push(sig);
+    c.depth.push(depth);
+    c.shape.push(shape);
+    c.no_grad.push(no_grad);
+    s->attrs->push_back(attr == Py_None ? nullptr : Py_XNewRef(attr));
+    c.op.push(op);  // last: n_nodes counts complete nodes only
+  } catch (...) {
+    Py_DECREF(handle);
+    throw;
+  }
+  return handle;
+}
+
+namespace {
+
+Store* as_store(PyObject* self) { return reinterpret_cast<Store*>(self); }
+
+i64 node_arg(Store* s, PyObject* arg) {
+  const i64 v = as_int(arg);
+  if (v < 0 || v >= n_nodes(s)) raise(PyExc_IndexError, "node %lld is not in this graph", v);
+  return v;
+}
+
+PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
+  Store* s = reinterpret_cast<Store*>(type->tp_alloc(type, 0));
+  if (!s) return nullptr;
+  try {
+    s->nodes = new Columns();
+    s->attrs = new std::vector<PyObject*>();
+    s->shape_keys = new KeyTable();
+    s->shape_tuples = new std::vector<PyObject*>();
+    s->sig_keys_c = new KeyTable();
+    s->sig_of_key = new std::vector<i64>();
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(s);
+    return PyErr_NoMemory();
+  }
+  s->sig_ids = PyDict_New();
+  s->sig_keys = PyList_New(0);
+  if (!s->sig_ids || !s->sig_keys) {
+    Py_DECREF(s);
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(s);
+}
+
+void clear_attrs(Store* s) {
+  if (!s->attrs) return;
+  std::vector<PyObject*> attrs;
+  attrs.swap(*s->attrs);  // emptied first: a freed attr may run code that reads the store
+  s->attrs->assign(attrs.size(), nullptr);
+  for (PyObject* a : attrs) Py_XDECREF(a);
+}
+
+int store_traverse(PyObject* self, visitproc visit, void* arg) {
+  Store* s = as_store(self);
+  if (s->attrs)
+    for (PyObject* a : *s->attrs) Py_VISIT(a);
+  Py_VISIT(s->origin_hook);
+  for (PyObject* m : s->mirrors) Py_VISIT(m);
+  return 0;
+}
+
+int store_clear(PyObject* self) {
+  Store* s = as_store(self);
+  clear_attrs(s);
+  Py_CLEAR(s->origin_hook);
+  for (PyObject*& m : s->mirrors) Py_CLEAR(m);
+  return 0;
+}
+
+void store_dealloc(PyObject* self) {
+  Store* s = as_store(self);
+  PyObject_GC_UnTrack(self);
+  store_clear(self);
+  Py_CLEAR(s->sig_ids);
+  Py_CLEAR(s->sig_keys);
+  if (s->shape_tuples)
+    for (PyObject* t : *s->shape_tuples) Py_DECREF(t);
+  delete s->nodes;
+  delete s->attrs;
+  delete s->shape_keys;
+  delete s->shape_tuples;
+  delete s->sig_keys_c;
+  delete s->sig_of_key;
+  Py_TYPE(self)->tp_free(self);
+}
+
+// The signature int of a Python key (interned on first sight; signatures.describe reads it).
+i64 python_sig(Store* s, PyObject* key) {
+  PyObject* found = PyDict_GetItemWithError(s->sig_ids, key);
+  if (found) return PyLong_AsLongLong(found);
+  if (PyErr_Occurred()) throw PythonError{};
+  const Py_ssize_t sig = PyList_GET_SIZE(s->sig_keys);
+  PyObject* number = PyLong_FromSsize_t(sig);
+  if (!number) throw PythonError{};
+  const int failed = PyDict_SetItem(s->sig_ids, key, number) < 0 || PyList_Append(s->sig_keys, key) < 0;
+  Py_DECREF(number);
+  if (failed) throw PythonError{};
+  return sig;
+}
+
+const char kAddDoc[] =
+    "add(op, args, shape, sig_key, attr=None) -> Expression\n\n"
+    "Append a node of `op` (an ops.Op) over the nodes `args`, of per-instance `shape`, in the\n"
+    "batch class named by `sig_key` (a hashable key interned per graph), with `attr` for its\n"
+    "kernel. A node with inputs written under torch.no_grad() is marked and never batched with\n"
+    "nodes that carry gradient. The ops themselves call the rules of rules.cpp instead.";
+
+PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc < 4 || argc > 5) {
+    PyErr_SetString(PyExc_TypeError, "add(op, args, shape, sig_key, attr=None)");
+    return nullptr;
+  }
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    check_open(s);
+    PyObject* seq = PySequence_Fast(argv[1], "add: args must be a sequence of node ids");
+    if (!seq) throw PythonError{};
+    std::vector<i64> args(PySequence_Fast_GET_SIZE(seq));
+    try {
+      for (std::size_t i = 0; i < args.size(); ++i)
+        args[i] = node_arg(s, PySequence_Fast_GET_ITEM(seq, i));
+    } catch (...) {
+      Py_DECREF(seq);
+      throw;
+    }
+    Py_DECREF(seq);
+    PyObject* shape_seq = PySequence_Fast(argv[2], "add: shape must be a tuple of ints");
+    if (!shape_seq) throw PythonError{};
+    std::vector<i64> dims(PySequence_Fast_GET_SIZE(shape_seq));
+    try {
+      for (std::size_t i = 0; i < dims.size(); ++i)
+        dims[i] = as_int(PySequence_Fast_GET_ITEM(shape_seq, i));
+    } catch (...) {
+      Py_DECREF(shape_seq);
+      throw;
+    }
+    Py_DECREF(shape_seq);
+    // Grad mode is the one in force when the node is written, as eagerly: such a node runs
+    // without grad and never shares a kernel with nodes that carry gradient.
+    const bool no_grad = !args.empty() && !grad_enabled();
+    PyObject* key = argv[3];
+    i64 sig;
+    if (no_grad) {
+      key = Py_BuildValue("(sO)", "no_grad", argv[3]);
+      if (!key) throw PythonError{};
+      try {
+        sig = python_sig(s, key);
+      } catch (...) {
+        Py_DECREF(key);
+        throw;
+      }
+      Py_DECREF(key);
+    } else {
+      sig = python_sig(s, key);
+    }
+    return append(s, op_code(argv[0]), args.data(), args.size(),
+                  intern_shape(s, dims.data(), dims.size()), sig, argc == 5 ? argv[4] : Py_None,
+                  no_grad);
+  });
+}
+
+PyObject* store_shape_of(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    return Py_NewRef((*s->shape_tuples)[(*s->nodes).shape[node_arg(s, arg)]]);
+  });
+}
+
+PyObject* store_op_of(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* { return Py_NewRef(g_ops[s->nodes->op[node_arg(s, arg)]]); });
+}
+
+PyObject* store_attr_of(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    PyObject* a = (*s->attrs)[node_arg(s, arg)];
+    return Py_NewRef(a ? a : Py_None);
+  });
+}
+
+PyObject* store_args_of(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    const i64 v = node_arg(s, arg);
+    const i64 begin = s->nodes->arg_ptr[v], end = s->nodes->arg_ptr[v + 1];
+    PyObject* out = PyTuple_New(end - begin);
+    if (!out) throw PythonError{};
+    for (i64 e = begin; e < end; ++e) {
+      PyObject* a = PyLong_FromLongLong(s->nodes->arg_flat[e]);
+      if (!a) {
+        Py_DECREF(out);
+        throw PythonError{};
+      }
+      PyTuple_SET_ITEM(out, e - begin, a);
+    }
+    return out;
+  });
+}
+
+PyObject* store_sig_of(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* { return PyLong_FromLongLong(s->nodes->sig[node_arg(s, arg)]); });
+}
+
+PyObject* store_is_no_grad(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
+}
+
+enum ColumnName { kSigs, kDepths, kArgEnd, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kUnknown };
+
+ColumnName column_name(PyObject* name) {
+  static const char* names[] = {"sigs", "depths", "arg_end", "arg_flat", "ops",
+                                "arg_ptr", "shapes", "no_grad"};
+  const char* text = PyUnicode_AsUTF8(name);
+  if (!text) throw PythonError{};
+  for (int i = 0; i < kUnknown; ++i)
+    if (std::strcmp(text, names[i]) == 0) return static_cast<ColumnName>(i);
+  return kUnknown;
+}
+
+const char kViewDoc[] =
+    "view(name) -> memoryview\n\n"
+    "Zero-copy, read-only view of a column over the nodes so far: 'sigs', 'depths', 'arg_flat'\n"
+    "(int64); 'arg_ptr' (int64, n + 1 entries: the inputs of node v are\n"
+    "arg_flat[arg_ptr[v]:arg_ptr[v + 1]]); 'ops', 'shapes' (int32 codes); 'no_grad' (uint8).\n"
+    "A view stays valid (and unchanged) after the store grows; take a new one to see more.";
+
+PyObject* store_view(PyObject* self, PyObject* name) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    Columns& c = *s->nodes;
+    const i64 n = n_nodes(s);
+    switch (column_name(name)) {
+      case kSigs: return c.sig.view(n);
+      case kDepths: return c.depth.view(n);
+      case kArgFlat: return c.arg_flat.view(n ? c.arg_ptr[n] : 0);
+      case kArgPtr:
+        if (c.arg_ptr.size() == 0) c.arg_ptr.push(0);
+        return c.arg_ptr.view(n + 1);
+      case kOps: return c.op.view(n);
+      case kShapes: return c.shape.view(n);
+      case kNoGrad: return c.no_grad.view(n);
+      default: raise(PyExc_KeyError, "no column %R", name);
+    }
+  });
+}
+
+const char kColumnDoc[] =
+    "column(name) -> list\n\n"
+    "A column as a Python list ('sigs', 'depths', 'arg_end', 'arg_flat', 'ops'), for readers\n"
+    "of lists. The list is kept and extended by the nodes added since the last call, so asking\n"
+    "once per forward costs the new nodes only; do not modify it.";
+
+PyObject* store_column(PyObject* self, PyObject* name) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    const ColumnName which = column_name(name);
+    if (which > kOps) raise(PyExc_KeyError, "no list column %R", name);
+    PyObject*& list = s->mirrors[which];
+    if (!list && !(list = PyList_New(0))) throw PythonError{};
+    Columns& c = *s->nodes;
+    const i64 n = n_nodes(s);
+    const i64 end = which == kArgFlat ? (n ? c.arg_ptr[n] : 0) : n;
+    for (i64 i = PyList_GET_SIZE(list); i < end; ++i) {
+      PyObject* item;
+      switch (which) {
+        case kSigs: item = PyLong_FromLongLong(c.sig[i]); break;
+        case kDepths: item = PyLong_FromLongLong(c.depth[i]); break;
+        case kArgEnd: item = PyLong_FromLongLong(c.arg_ptr[i + 1]); break;
+        case kArgFlat: item = PyLong_FromLongLong(c.arg_flat[i]); break;
+        default: item = Py_NewRef(g_ops[c.op[i]]);
+      }
+      if (!item) throw PythonError{};
+      const int failed = PyList_Append(list, item);
+      Py_DECREF(item);
+      if (failed) throw PythonError{};
+    }
+    return Py_NewRef(list);
+  });
+}
+
+PyObject* store_close(PyObject* self, PyObject*) {
+  Store* s = as_store(self);
+  s->closed = 1;
+  clear_attrs(s);
+  PyObject* fresh = PyDict_New();  // the keys go; sig_keys stays so that stats() can describe
+  if (!fresh) return nullptr;
+  Py_SETREF(s->sig_ids, fresh);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kStoreMethods[] = {
+    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_add)), METH_FASTCALL,
+     kAddDoc},
+    {"shape_of", store_shape_of, METH_O, "shape_of(node) -> tuple: the node's per-instance shape"},
+    {"op_of", store_op_of, METH_O, "op_of(node) -> Op"},
+    {"attr_of", store_attr_of, METH_O, "attr_of(node): what the node's kernel gets (or None)"},
+    {"args_of", store_args_of, METH_O, "args_of(node) -> tuple: the node's input node ids"},
+    {"sig_of", store_sig_of, METH_O, "sig_of(node) -> int: the node's interned signature"},
+    {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
+    {"view", store_view, METH_O, kViewDoc},
+    {"column", store_column, METH_O, kColumnDoc},
+    {"close", store_close, METH_NOARGS,
+     "close(): no node can be added any more; frees the attrs (the tensors held for kernels)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyObject* get_n_nodes(PyObject* self, void*) { return PyLong_FromLongLong(n_nodes(as_store(self))); }
+PyObject* get_n_done(PyObject* self, void*) { return PyLong_FromLongLong(as_store(self)->n_done); }
+int set_n_done(PyObject* self, PyObject* value, void*) {
+  if (!value) {
+    PyErr_SetString(PyExc_AttributeError, "n_done cannot be deleted");
+    return -1;
+  }
+  const long long n = PyLong_AsLongLong(value);
+  if (n == -1 && PyErr_Occurred()) return -1;
+  if (n < 0 || n > n_nodes(as_store(self))) {
+    PyErr_SetString(PyExc_ValueError, "n_done must lie in 0..n_nodes");
+    return -1;
+  }
+  as_store(self)->n_done = n;
+  return 0;
+}
+PyObject* get_closed(PyObject* self, void*) { return PyBool_FromLong(as_store(self)->closed); }
+PyObject* get_sig_ids(PyObject* self, void*) { return Py_NewRef(as_store(self)->sig_ids); }
+PyObject* get_sig_keys(PyObject* self, void*) { return Py_NewRef(as_store(self)->sig_keys); }
+PyObject* get_origin_hook(PyObject* self, void*) {
+  PyObject* hook = as_store(self)->origin_hook;
+  return Py_NewRef(hook ? hook : Py_None);
+}
+int set_origin_hook(PyObject* self, PyObject* value, void*) {
+  Py_XSETREF(as_store(self)->origin_hook, value && value != Py_None ? Py_NewRef(value) : nullptr);
+  return 0;
+}
+
+PyGetSetDef kStoreGetSet[] = {
+    {"n_nodes", get_n_nodes, nullptr, "nodes in the store", nullptr},
+    {"n_done", get_n_done, set_n_done, "nodes computed by earlier forwards (ids below it)",
+     nullptr},
+    {"closed", get_closed, nullptr, "whether close() was called", nullptr},
+    {"sig_ids", get_sig_ids, nullptr, "Python signature key -> int (this graph's table)", nullptr},
+    {"sig_keys", get_sig_keys, nullptr, "int -> signature key (signatures.describe)", nullptr},
+    {"origin_hook", get_origin_hook, set_origin_hook,
+     "debug mode: called with each new node's id before it is stored", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+// ---- the Expression handle ---------------------------------------------------------------------
+PyObject* expression_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* graph;
+  long long id;
+  static const char* names[] = {"graph", "node", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!L:Expression", const_cast<char**>(names),
+                                   &StoreType, &graph, &id))
+    return nullptr;
+  if (id < 0 || id >= n_nodes(as_store(graph))) {
+    PyErr_Format(PyExc_IndexError, "node %lld is not in this graph", id);
+    return nullptr;
+  }
+  Expression* e = reinterpret_cast<Expression*>(type->tp_alloc(type, 0));
+  if (!e) return nullptr;
+  e->graph = reinterpret_cast<Store*>(Py_NewRef(graph));
+  e->id = id;
+  return reinterpret_cast<PyObject*>(e);
+}
+
+void expression_dealloc(PyObject* self) {
+  Py_DECREF(reinterpret_cast<PyObject*>(reinterpret_cast<Expression*>(self)->graph));
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* expression_shape(PyObject* self, void*) {
+  const Expression* e = reinterpret_cast<Expression*>(self);
+  return Py_NewRef((*e->graph->shape_tuples)[e->graph->nodes->shape[e->id]]);
+}
+
+PyMemberDef kExpressionMembers[] = {
+    {"graph", T_OBJECT_EX, offsetof(Expression, graph), READONLY, "the graph of the node"},
+    {"id", T_LONGLONG, offsetof(Expression, id), READONLY, "the node's id in its graph"},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyGetSetDef kExpressionGetSet[] = {
+    {"shape", expression_shape, nullptr, "the node's per-instance shape", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+const char kConfigureDoc[] =
+    "configure(expression_type, graph_error, is_grad_enabled)\n\n"
+    "What the core creates and calls: the Expression subclass of new handles, the error of a\n"
+    "closed graph and torch's grad-mode query. graph.py calls it once at import.";
+
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *type, *error, *grad;
+  if (!PyArg_ParseTuple(args, "O!OO:configure", &PyType_Type, &type, &error, &grad)) return nullptr;
+  if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &ExpressionBase) ||
+      reinterpret_cast<PyTypeObject*>(type)->tp_basicsize != sizeof(Expression)) {
+    PyErr_SetString(PyExc_TypeError, "configure: expression_type must subclass "
+                                     "_core.Expression with __slots__ = ()");
+    return nullptr;
+  }
+  Py_XSETREF(g_expression_type, Py_NewRef(type));
+  Py_XSETREF(g_graph_error, Py_NewRef(error));
+  Py_XSETREF(g_is_grad_enabled, Py_NewRef(grad));
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kModuleMethods[] = {
+    {"configure", configure, METH_VARARGS, kConfigureDoc},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+PyTypeObject StoreType = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
+  t.tp_name = "flybatch._core.Store";
+  t.tp_basicsize = sizeof(Store);
+  t.tp_dealloc = store_dealloc;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  t.tp_doc = "The node store of a graph: columns of ints, one entry per node (store.cpp).";
+  t.tp_traverse = store_traverse;
+  t.tp_clear = store_clear;
+  t.tp_methods = kStoreMethods;
+  t.tp_getset = kStoreGetSet;
+  t.tp_new = store_new;
+  return t;
+}();
+
+PyTypeObject ExpressionBase = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
+  t.tp_name = "flybatch._core.Expression";
+  t.tp_basicsize = sizeof(Expression);
+  t.tp_dealloc = expression_dealloc;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE;
+  t.tp_doc = "A handle on one node of a graph (graph.Expression adds its methods).";
+  t.tp_members = kExpressionMembers;
+  t.tp_getset = kExpressionGetSet;
+  t.tp_new = expression_new;
+  return t;
+}();
+
+PyObject* register_store(PyObject* module) {
+  if (!module) return nullptr;
+  if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&StoreType) < 0 ||
+      PyType_Ready(&ExpressionBase) < 0 ||
+      PyModule_AddObjectRef(module, "Store", reinterpret_cast<PyObject*>(&StoreType)) < 0 ||
+      PyModule_AddObjectRef(module, "Expression", reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
+      PyModule_AddFunctions(module, kModuleMethods) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}
+
+}  // namespace flybatch

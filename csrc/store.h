@@ -1,0 +1,146 @@
+// The node store of a graph and the Expression handle (store.cpp), shared with the op rules
+// (rules.cpp). A graph is a `_core.Store` (graph.py subclasses it): one entry per node in
+// columns (struct of arrays), node ids in creation order, which is a topological order.
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+namespace flybatch {
+
+using i64 = std::int64_t;
+
+// A Python exception is set: unwind to the binding, which returns NULL.
+struct PythonError {};
+
+[[noreturn]] void raise(PyObject* type, const char* format, ...);
+
+// The storage of a column is a Python object (a `Block`, which exports it as a read-only
+// buffer) so that a numpy view of a column stays valid however the column grows: growing copies
+// into a new block, and the view keeps the old one alive.
+struct Block {
+  PyObject_HEAD
+  char* data;
+  Py_ssize_t itemsize;
+  Py_ssize_t capacity;
+  Py_ssize_t exported;  // items the next buffer export shows (set just before it)
+  const char* format;
+};
+
+Block* new_block(Py_ssize_t itemsize, const char* format, Py_ssize_t capacity);
+
+template <class T>
+class Column {
+ public:
+  explicit Column(const char* format) : format_(format) {}
+  ~Column() { Py_XDECREF(reinterpret_cast<PyObject*>(block_)); }
+  Column(const Column&) = delete;
+  Column& operator=(const Column&) = delete;
+
+  T operator[](i64 i) const { return data_[i]; }
+  T* data() const { return data_; }
+  i64 size() const { return size_; }
+  void push(T x) {
+    if (size_ == capacity_) grow();
+    data_[size_++] = x;
+  }
+  void pop(i64 n) { size_ -= n; }  // undoes the last n pushes of a node that failed
+  // A read-only memoryview of the first `n` items (zero copy).
+  PyObject* view(i64 n) const {
+    if (!block_) block_ = new_block(sizeof(T), format_, 0);
+    block_->exported = n;
+    return PyMemoryView_FromObject(reinterpret_cast<PyObject*>(block_));
+  }
+
+ private:
+  void grow() {
+    const i64 capacity = capacity_ ? 2 * capacity_ : 1024;
+    Block* block = new_block(sizeof(T), format_, capacity);  // throws on failure
+    if (size_) std::memcpy(block->data, data_, size_ * sizeof(T));
+    Py_XDECREF(reinterpret_cast<PyObject*>(block_));
+    block_ = block;
+    data_ = reinterpret_cast<T*>(block->data);
+    capacity_ = capacity;
+  }
+
+  const char* format_;
+  mutable Block* block_ = nullptr;
+  T* data_ = nullptr;
+  i64 size_ = 0, capacity_ = 0;
+};
+
+// Interns sequences of ints (shapes, signature keys) as dense ids 0, 1, 2...
+class KeyTable {
+ public:
+  // The id of key[0..n), or -1 if it is not interned yet.
+  std::int32_t find(const i64* key, std::size_t n, std::uint64_t hash) const;
+  std::int32_t insert(const i64* key, std::size_t n, std::uint64_t hash);
+  const i64* key(std::int32_t id) const { return pool_.data() + start_[id]; }
+  std::size_t length(std::int32_t id) const { return start_[id + 1] - start_[id]; }
+  std::size_t size() const { return start_.size() - 1; }
+  static std::uint64_t hash(const i64* key, std::size_t n);
+
+ private:
+  std::vector<i64> pool_;
+  std::vector<std::size_t> start_{0};
+  std::unordered_multimap<std::uint64_t, std::int32_t> ids_;
+};
+
+// The columns of a store and what they are named by Python (`Store.view`, `Store.column`).
+struct Columns {
+  Column<std::int32_t> op{"i"};      // index into the global op table (register_op)
+  Column<i64> sig{"q"};              // interned signature, per graph
+  Column<i64> depth{"q"};            // longest path from a leaf through pending nodes
+  Column<i64> arg_ptr{"q"};          // n + 1 entries: inputs of v are arg_flat[ptr[v]..ptr[v+1])
+  Column<i64> arg_flat{"q"};
+  Column<std::int32_t> shape{"i"};   // interned shape id, per graph
+  Column<std::uint8_t> no_grad{"B"};  // written under torch.no_grad()
+};
+
+struct Store {
+  PyObject_HEAD
+  Columns* nodes;
+  std::vector<PyObject*>* attrs;     // per node, NULL for none (the common case)
+  KeyTable* shape_keys;              // shape dims -> shape id
+  std::vector<PyObject*>* shape_tuples;
+  KeyTable* sig_keys_c;              // signature keys built by the rules (rules.cpp)
+  std::vector<i64>* sig_of_key;      // their signature ints
+  PyObject* sig_ids;                 // dict: Python signature key -> int (Graph.add)
+  PyObject* sig_keys;                // list: int -> Python key (signatures.describe)
+  PyObject* origin_hook;             // debug mode: called with each new node id
+  PyObject* mirrors[5];              // lists kept for readers of Python lists (Store.column)
+  i64 n_done;                        // nodes computed by earlier forwards
+  int closed;
+};
+
+struct Expression {
+  PyObject_HEAD
+  Store* graph;
+  i64 id;
+};
+
+extern PyTypeObject StoreType;
+extern PyTypeObject ExpressionBase;
+
+i64 n_nodes(const Store* s);
+// The store's op code of `op` (an ops.Op), registering it on first sight.
+std::int32_t op_code(PyObject* op);
+std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n);
+const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n);
+// Grad mode now (torch.is_grad_enabled, cached and called without arguments).
+bool grad_enabled();
+// Appends a node (its inputs already checked to be earlier nodes) and returns its handle.
+PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
+                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad);
+PyObject* new_expression(Store* s, i64 id);
+void check_open(const Store* s);
+
+PyObject* register_store(PyObject* module);
+
+}  // namespace flybatch
