@@ -71,8 +71,9 @@ class _Pack:
         self.packed = self.packed_t = None
 
 
-# id of a parameter -> its views' packs (a view: offset, shape, strides; `U_f[k]` is one of
-# several), dropped with the parameter.
+# id of a parameter -> its views' packs (a view: offset, shape, strides; a kernel may multiply
+# by several views of one parameter, as by the slices of a stacked weight), dropped with the
+# parameter.
 _packs: dict[int, dict[tuple, _Pack]] = {}
 
 
