@@ -15,7 +15,7 @@ import torch
 import flybatch as fb
 from flybatch.bench import workloads
 
-STRATEGIES = ("depth", "agenda")
+STRATEGIES = ("depth", "agenda", "auto")
 
 
 def measure(fam: workloads.Family, strategy: str, n_instances: int, seed: int) -> dict:
