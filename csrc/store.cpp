@@ -21,10 +21,14 @@ void raise(PyObject* type, const char* format, ...) {
   throw PythonError{};
 }
 
+PyObject* g_graph_error = nullptr;
+PyObject* g_current_graph = nullptr;
+PyObject* g_shape_error = nullptr;
+PyObject* g_tensor_type = nullptr;
+
 namespace {
 
 PyObject* g_expression_type = nullptr;  // graph.Expression: what new handles are
-PyObject* g_graph_error = nullptr;      // errors.GraphError
 PyObject* g_is_grad_enabled = nullptr;  // torch.is_grad_enabled
 // The op table: op code -> ops.Op, shared by every graph (ops are module constants).
 std::vector<PyObject*> g_ops;
@@ -47,7 +51,7 @@ i64 as_int(PyObject* x) {
   return v;
 }
 
-// ---- Block: a column's storage, exported as a buffer ------------------------------------------
+// ---- Block: a column's storage, exported as a buffer -------------------------------------------
 void block_dealloc(PyObject* self) {
   PyMem_RawFree(reinterpret_cast<Block*>(self)->data);
   Py_TYPE(self)->tp_free(self);
@@ -113,10 +117,11 @@ Block* new_block(Py_ssize_t itemsize, const char* format, Py_ssize_t capacity) {
   return b;
 }
 
-// ---- KeyTable --------------------------------------------------------------------------------
+// ---- KeyTable ----------------------------------------------------------------------------------
 std::uint64_t KeyTable::hash(const i64* key, std::size_t n) {
   std::uint64_t h = 0xcbf29ce484222325ull ^ n;
-  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<std::uint64_t>(key[i])) * 0x100000001b3ull;
+  for (std::size_t i = 0; i < n; ++i)
+    h = (h ^ static_cast<std::uint64_t>(key[i])) * 0x100000001b3ull;
   return h;
 }
 
@@ -234,6 +239,20 @@ PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
   return handle;
 }
 
+i64 python_sig(Store* s, PyObject* key) {
+  PyObject* found = PyDict_GetItemWithError(s->sig_ids, key);
+  if (found) return PyLong_AsLongLong(found);
+  if (PyErr_Occurred()) throw PythonError{};
+  const Py_ssize_t sig = PyList_GET_SIZE(s->sig_keys);
+  PyObject* number = PyLong_FromSsize_t(sig);
+  if (!number) throw PythonError{};
+  const int failed =
+      PyDict_SetItem(s->sig_ids, key, number) < 0 || PyList_Append(s->sig_keys, key) < 0;
+  Py_DECREF(number);
+  if (failed) throw PythonError{};
+  return sig;
+}
+
 namespace {
 
 Store* as_store(PyObject* self) { return reinterpret_cast<Store*>(self); }
@@ -254,6 +273,9 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->shape_tuples = new std::vector<PyObject*>();
     s->sig_keys_c = new KeyTable();
     s->sig_of_key = new std::vector<i64>();
+    s->param_tags = new std::unordered_map<i64, PyObject*>();
+    s->scalars = new std::unordered_map<std::uint64_t, i64>();
+    s->table_tags = new std::unordered_map<PyObject*, PyObject*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -275,6 +297,21 @@ void clear_attrs(Store* s) {
   for (PyObject* a : attrs) Py_XDECREF(a);
 }
 
+// The per-object caches of the rules; their keys are held by graph.tags until close.
+void clear_caches(Store* s) {
+  if (s->param_tags) {
+    std::unordered_map<i64, PyObject*> tags;
+    tags.swap(*s->param_tags);
+    for (auto& [node, tag] : tags) Py_DECREF(tag);
+  }
+  if (s->table_tags) {
+    std::unordered_map<PyObject*, PyObject*> tags;
+    tags.swap(*s->table_tags);
+    for (auto& [table, tag] : tags) Py_DECREF(tag);
+  }
+  if (s->scalars) s->scalars->clear();
+}
+
 int store_traverse(PyObject* self, visitproc visit, void* arg) {
   Store* s = as_store(self);
   if (s->attrs)
@@ -287,6 +324,7 @@ int store_traverse(PyObject* self, visitproc visit, void* arg) {
 int store_clear(PyObject* self) {
   Store* s = as_store(self);
   clear_attrs(s);
+  clear_caches(s);
   Py_CLEAR(s->origin_hook);
   for (PyObject*& m : s->mirrors) Py_CLEAR(m);
   return 0;
@@ -306,21 +344,10 @@ void store_dealloc(PyObject* self) {
   delete s->shape_tuples;
   delete s->sig_keys_c;
   delete s->sig_of_key;
+  delete s->param_tags;
+  delete s->scalars;
+  delete s->table_tags;
   Py_TYPE(self)->tp_free(self);
-}
-
-// The signature int of a Python key (interned on first sight; signatures.describe reads it).
-i64 python_sig(Store* s, PyObject* key) {
-  PyObject* found = PyDict_GetItemWithError(s->sig_ids, key);
-  if (found) return PyLong_AsLongLong(found);
-  if (PyErr_Occurred()) throw PythonError{};
-  const Py_ssize_t sig = PyList_GET_SIZE(s->sig_keys);
-  PyObject* number = PyLong_FromSsize_t(sig);
-  if (!number) throw PythonError{};
-  const int failed = PyDict_SetItem(s->sig_ids, key, number) < 0 || PyList_Append(s->sig_keys, key) < 0;
-  Py_DECREF(number);
-  if (failed) throw PythonError{};
-  return sig;
 }
 
 const char kAddDoc[] =
@@ -425,12 +452,14 @@ PyObject* store_args_of(PyObject* self, PyObject* arg) {
 
 PyObject* store_sig_of(PyObject* self, PyObject* arg) {
   Store* s = as_store(self);
-  return guarded([&]() -> PyObject* { return PyLong_FromLongLong(s->nodes->sig[node_arg(s, arg)]); });
+  return guarded(
+      [&]() -> PyObject* { return PyLong_FromLongLong(s->nodes->sig[node_arg(s, arg)]); });
 }
 
 PyObject* store_is_no_grad(PyObject* self, PyObject* arg) {
   Store* s = as_store(self);
-  return guarded([&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
+  return guarded(
+      [&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
 }
 
 enum ColumnName { kSigs, kDepths, kArgEnd, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kUnknown };
@@ -506,10 +535,32 @@ PyObject* store_column(PyObject* self, PyObject* name) {
   });
 }
 
+PyObject* store_set_parameter_tag(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  Store* s = as_store(self);
+  if (argc != 2 || !PyTuple_Check(argv[1])) {
+    PyErr_SetString(PyExc_TypeError, "set_parameter_tag(node, tag): tag is a tuple");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject*& tag = (*s->param_tags)[node_arg(s, argv[0])];
+    Py_XSETREF(tag, Py_NewRef(argv[1]));
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* store_parameter_tag(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    const auto found = s->param_tags->find(node_arg(s, arg));
+    return Py_NewRef(found == s->param_tags->end() ? Py_None : found->second);
+  });
+}
+
 PyObject* store_close(PyObject* self, PyObject*) {
   Store* s = as_store(self);
   s->closed = 1;
   clear_attrs(s);
+  clear_caches(s);
   PyObject* fresh = PyDict_New();  // the keys go; sig_keys stays so that stats() can describe
   if (!fresh) return nullptr;
   Py_SETREF(s->sig_ids, fresh);
@@ -527,12 +578,19 @@ PyMethodDef kStoreMethods[] = {
     {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
     {"view", store_view, METH_O, kViewDoc},
     {"column", store_column, METH_O, kColumnDoc},
+    {"set_parameter_tag",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_set_parameter_tag)),
+     METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},
+    {"parameter_tag", store_parameter_tag, METH_O,
+     "parameter_tag(node): the node's tag if it is a parameter, else None"},
     {"close", store_close, METH_NOARGS,
      "close(): no node can be added any more; frees the attrs (the tensors held for kernels)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyObject* get_n_nodes(PyObject* self, void*) { return PyLong_FromLongLong(n_nodes(as_store(self))); }
+PyObject* get_n_nodes(PyObject* self, void*) {
+  return PyLong_FromLongLong(n_nodes(as_store(self)));
+}
 PyObject* get_n_done(PyObject* self, void*) { return PyLong_FromLongLong(as_store(self)->n_done); }
 int set_n_done(PyObject* self, PyObject* value, void*) {
   if (!value) {
@@ -613,13 +671,17 @@ PyGetSetDef kExpressionGetSet[] = {
 };
 
 const char kConfigureDoc[] =
-    "configure(expression_type, graph_error, is_grad_enabled)\n\n"
-    "What the core creates and calls: the Expression subclass of new handles, the error of a\n"
-    "closed graph and torch's grad-mode query. graph.py calls it once at import.";
+    "configure(expression_type, graph_error, shape_error, is_grad_enabled, current_graph,\n"
+    "          tensor_type)\n\n"
+    "What the core creates and calls: the Expression subclass of new handles, the errors of a\n"
+    "closed graph and of shapes, torch's grad-mode query, the current graph of ops given no\n"
+    "expression, and torch.Tensor. graph.py calls it once at import.";
 
 PyObject* configure(PyObject*, PyObject* args) {
-  PyObject *type, *error, *grad;
-  if (!PyArg_ParseTuple(args, "O!OO:configure", &PyType_Type, &type, &error, &grad)) return nullptr;
+  PyObject *type, *error, *shape_error, *grad, *current, *tensor;
+  if (!PyArg_ParseTuple(args, "O!OOOOO:configure", &PyType_Type, &type, &error, &shape_error,
+                        &grad, &current, &tensor))
+    return nullptr;
   if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &ExpressionBase) ||
       reinterpret_cast<PyTypeObject*>(type)->tp_basicsize != sizeof(Expression)) {
     PyErr_SetString(PyExc_TypeError, "configure: expression_type must subclass "
@@ -629,6 +691,9 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_XSETREF(g_expression_type, Py_NewRef(type));
   Py_XSETREF(g_graph_error, Py_NewRef(error));
   Py_XSETREF(g_is_grad_enabled, Py_NewRef(grad));
+  Py_XSETREF(g_shape_error, Py_NewRef(shape_error));
+  Py_XSETREF(g_current_graph, Py_NewRef(current));
+  Py_XSETREF(g_tensor_type, Py_NewRef(tensor));
   Py_RETURN_NONE;
 }
 
@@ -664,6 +729,8 @@ PyTypeObject ExpressionBase = [] {
   t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE;
   t.tp_doc = "A handle on one node of a graph (graph.Expression adds its methods).";
   t.tp_members = kExpressionMembers;
+  t.tp_as_number = &expression_number;
+  t.tp_as_mapping = &expression_mapping;
   t.tp_getset = kExpressionGetSet;
   t.tp_new = expression_new;
   return t;
@@ -674,8 +741,9 @@ PyObject* register_store(PyObject* module) {
   if (PyType_Ready(&BlockType) < 0 || PyType_Ready(&StoreType) < 0 ||
       PyType_Ready(&ExpressionBase) < 0 ||
       PyModule_AddObjectRef(module, "Store", reinterpret_cast<PyObject*>(&StoreType)) < 0 ||
-      PyModule_AddObjectRef(module, "Expression", reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
-      PyModule_AddFunctions(module, kModuleMethods) < 0) {
+      PyModule_AddObjectRef(module, "Expression",
+                            reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
+      PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module)) {
     Py_DECREF(module);
     return nullptr;
   }

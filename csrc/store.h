@@ -114,6 +114,11 @@ struct Store {
   PyObject* sig_ids;                 // dict: Python signature key -> int (Graph.add)
   PyObject* sig_keys;                // list: int -> Python key (signatures.describe)
   PyObject* origin_hook;             // debug mode: called with each new node id
+  // What the rules (rules.cpp) look up per op call without asking Python, filled on first use
+  // of each object by a callback and dropped at close (no node can be added after).
+  std::unordered_map<i64, PyObject*>* param_tags;        // parameter node -> ("P", k)
+  std::unordered_map<std::uint64_t, i64>* scalars;       // bits of a float -> constant node
+  std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
   PyObject* mirrors[5];              // lists kept for readers of Python lists (Store.column)
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
@@ -126,6 +131,10 @@ struct Expression {
 };
 
 extern PyTypeObject StoreType;
+extern PyObject* g_graph_error;     // errors.GraphError
+extern PyObject* g_current_graph;   // graph.current_graph
+extern PyObject* g_shape_error;     // errors.ShapeError
+extern PyObject* g_tensor_type;     // torch.Tensor
 extern PyTypeObject ExpressionBase;
 
 i64 n_nodes(const Store* s);
@@ -135,12 +144,19 @@ std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n);
 const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n);
 // Grad mode now (torch.is_grad_enabled, cached and called without arguments).
 bool grad_enabled();
+// The signature int of a Python key, interned on first sight (sig_ids, sig_keys).
+i64 python_sig(Store* s, PyObject* key);
 // Appends a node (its inputs already checked to be earlier nodes) and returns its handle.
 PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
                  std::int32_t shape, i64 sig, PyObject* attr, bool no_grad);
 PyObject* new_expression(Store* s, i64 id);
 void check_open(const Store* s);
 
+// The Expression operators (+ - * / @, unary -, x[i], x[a:b]), defined with the rules.
+extern PyNumberMethods expression_number;
+extern PyMappingMethods expression_mapping;
+
 PyObject* register_store(PyObject* module);
+bool register_rules(PyObject* module);
 
 }  // namespace flybatch

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import numbers
 import struct
 import sys
 import time
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from . import _core, signatures
-from .errors import GraphError
+from .errors import GraphError, ShapeError
 
 Shape = tuple[int, ...]
 STRATEGIES = ("none", "depth", "agenda", "auto")
@@ -50,6 +51,9 @@ class Op:
     # Draws random numbers: each node needs its own sample, so the executor never lets a batch
     # of it run on one broadcast row (every node reading the same input).
     random: bool = False
+    # The rule family of csrc/rules.cpp (shape rule and signature) when `_core.Rule(op)` creates
+    # its nodes; None for ops added by `Graph.add` (leaves, reshape, dropout...).
+    rule: str | None = None
 
     def __repr__(self) -> str:
         return f"Op({self.name})"
@@ -176,7 +180,6 @@ class Graph(_core.Store):
         # `stats()` can still describe the launches).
         self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
-        self.parameter_tags: dict[int, tuple] = {}  # parameter node -> its signature tag
         # Execution state: node -> (batch, row) of `values`, filled by the scheduler; nodes
         # below `n_done` (a store field) are computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
@@ -229,7 +232,7 @@ class Graph(_core.Store):
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
             self.parameter_nodes.append(node)
-            self.parameter_tags[node] = signatures.tag(self, tensor)
+            self.set_parameter_tag(node, signatures.tag(self, tensor))
         return node
 
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:
@@ -276,6 +279,30 @@ class Graph(_core.Store):
         if not owned:
             value = value.clone()
         return self.add(INPUT, (), shape, ("input", shape), value).id
+
+    def _operand(self, x: Any) -> int:
+        """The node of an operand that is not an expression (the compiled rules call this):
+        a tensor that requires grad and is a leaf is a parameter, any other tensor or ndarray
+        an input copied now, a number an interned constant."""
+        if isinstance(x, torch.Tensor):
+            if not x.requires_grad:
+                return self.input_node(x)
+            # Only leaves that require grad are parameters (one shared node per graph); a
+            # computed tensor is a per-instance input whose gradient flows into its history.
+            return self.parameter_node(x) if x.is_leaf else self.input_node(x, keep_grad=True)
+        if isinstance(x, numbers.Real):
+            return self.constant_node("scalar", (), float(x))
+        if isinstance(x, np.ndarray):
+            return self.input_node(torch.tensor(x), owned=True)
+        if isinstance(x, Expression):
+            return self.node_of(x)
+        raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
+
+    def _lookup_tag(self, table: torch.Tensor) -> tuple:
+        """The tag of an embedding table in this graph, checked once (the compiled lookup rule
+        keeps it until close)."""
+        self.check_tensor("lookup", table)
+        return signatures.tag(self, table)
 
     def node_of(self, x: Expression) -> int:
         """The node id of `x`, checking that it belongs to this (open) graph."""
@@ -444,4 +471,5 @@ def new_graph(strategy: str = "auto", device: str | torch.device | None = None,
     return graph
 
 
-_core.configure(Expression, GraphError, torch._C.is_grad_enabled)
+_core.configure(Expression, GraphError, ShapeError, torch._C.is_grad_enabled, current_graph,
+                torch.Tensor)

@@ -17,8 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import kernels, ops, signatures
-from .errors import ShapeError
+from . import _core, kernels, ops, signatures
 from .graph import Expression, Graph, Op
 from .ops import Operand
 
@@ -53,16 +52,9 @@ class FusedModule(nn.Module):
     def _fused(self, op: Op, inputs: Sequence[Operand], expect: tuple, params: Sequence[str],
                shape: tuple[int, ...], attr: object = None) -> Expression:
         """One node of `op` over `inputs` (whose shapes must be `expect`) and `params`."""
-        g = ops.graph_of(*inputs)
-        nodes = [x.id if type(x) is Expression and x.graph is g else ops.node(g, x)
-                 for x in inputs]
-        shapes = tuple([g.shape_of(n) for n in nodes])
-        if shapes != expect:
-            k = next(k for k, (s, e) in enumerate(zip(shapes, expect)) if s != e)
-            raise ShapeError(f"{op.name}: argument {k} has shape {shapes[k]}, expected {expect[k]}")
-        _, tag, table = self._in_graph(g)
-        args = tuple(nodes) + tuple([table[name] for name in params])
-        return g.add(op, args, shape, (op.name, tag, shapes, attr), attr)
+        _, tag, table = self._in_graph(ops.graph_of(*inputs))
+        # One C call: inputs resolved and checked, signature (op.name, tag, shapes, attr).
+        return _core.fused(op, inputs, expect, tag, [table[name] for name in params], shape, attr)
 
 
 class State:
@@ -93,9 +85,7 @@ class State:
         return self._c
 
     def _slice(self, start: int) -> Expression:
-        g, H = self.hc.graph, self.hidden  # built directly: the shapes are known to fit
-        return g.add(ops.SLICE, (self.hc.id,), (H,), ("slice", (2 * H,), start, start + H),
-                     (start, start + H))
+        return ops.slice_rows(self.hc, start, start + self.hidden)
 
     def __iter__(self):
         return iter((self.h, self.c))

@@ -1,9 +1,15 @@
 """The ops: for each, its shape rule, its signature rule and its batched kernel, side by side.
 
 Every user-facing function creates one node and does no torch work. Shapes are per instance
-(the batch dimension never appears here); kernels see the batch in dim 0. Families share one
-helper each: unary elementwise, binary elementwise (with NumPy broadcasting of per-instance
-shapes), variadic reductions over lists, and products with a shared parameter.
+(the batch dimension never appears here); kernels see the batch in dim 0. Each row of the op
+table is an `Op`: its name, its batched kernel, its flags and, for most ops, the `rule` family of
+the compiled core (csrc/rules.cpp) that checks shapes and interns signatures: `_core.Rule(op)` is
+the user-facing function, one C call per node (so are the operators `+ - * / @`, unary `-` and
+`x[i]`, `x[a:b]`). The families: unary elementwise ("unary"; "vector" for ops of vectors,
+"reduce" for reductions to a scalar), binary elementwise with NumPy broadcasting of per-instance
+shapes ("binary"), products with a shared parameter ("matmul", "affine", "lookup"), lists
+("list", "concat"), "pick", "pick_nls" and "slice". The few ops without a family (reshape,
+transpose, dropout) are Python functions that call `Graph.add` with their own key.
 
 Signature rules (the paper's heuristic): elementwise ops by op and shapes; dimension-sensitive
 ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter node, so that
@@ -20,10 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import _core, kernels
 from .errors import ShapeError
 from .graph import Expression, Graph, Op, Shape, current_graph
-from .signatures import tag
 
 Operand = Any  # an Expression, a torch.Tensor, an ndarray or a Python number
 
@@ -43,50 +48,15 @@ def graph_of(*operands: Operand) -> Graph:
 
 def node(g: Graph, x: Operand) -> int:
     """The node id of an operand, wrapping tensors and numbers as leaves of `g`."""
-    if isinstance(x, Expression):
-        return g.node_of(x)
-    if isinstance(x, torch.Tensor):
-        if not x.requires_grad:
-            return g.input_node(x)
-        # Only leaves that require grad are parameters (one shared node per graph); a computed
-        # tensor is a per-instance input whose gradient flows back into its own history.
-        return g.parameter_node(x) if x.is_leaf else g.input_node(x, keep_grad=True)
-    if isinstance(x, numbers.Real):
-        return g.constant_node("scalar", (), float(x))
-    if isinstance(x, np.ndarray):
-        return g.input_node(torch.tensor(x), owned=True)
-    raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
+    return g.node_of(x) if isinstance(x, Expression) else g._operand(x)
 
 
 def unary_operand(x: Operand) -> tuple[Graph, int]:
-    """(graph, node) of a single operand; the common case (an Expression) without calls."""
-    if type(x) is Expression:
+    """(graph, node) of a single operand (for the ops written in Python)."""
+    if isinstance(x, Expression):
         return x.graph, x.id
     g = graph_of(x)
     return g, node(g, x)
-
-
-def binary_operands(a: Operand, b: Operand) -> tuple[Graph, int, int]:
-    """(graph, node of a, node of b), wrapping tensors and numbers in the graph of the other."""
-    if type(a) is Expression:
-        g = a.graph
-        if type(b) is Expression and b.graph is g:
-            return g, a.id, b.id
-        return g, a.id, node(g, b)
-    g = graph_of(a, b)
-    return g, node(g, a), node(g, b)
-
-
-def list_operands(xs: Sequence[Operand]) -> tuple[Graph, tuple[int, ...]]:
-    """(graph, node ids) of a list of operands; expressions of the graph without calls."""
-    g = graph_of(*xs)
-    return g, tuple([x.id if type(x) is Expression and x.graph is g else node(g, x)
-                     for x in xs])
-
-
-def _param_tag(g: Graph, n: int) -> tuple[str, int] | None:
-    """The signature tag of node `n` when it is a parameter: ops sharing it batch as one product."""
-    return g.parameter_tags.get(n)
 
 
 # ---- leaves ------------------------------------------------------------------------------
@@ -130,56 +100,41 @@ def _lookup_kernel(xs, attrs, shape):
     return F.embedding(index, table, sparse=sparse, **dict(options))
 
 
-LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True)
+LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True, rule="lookup")
+lookup = _core.Rule(LOOKUP, doc="""lookup(table, index, sparse=None, graph=None)
+
+Row `index` of an embedding matrix (or `torch.nn.Embedding`).
+
+All lookups into one table batch into one `embedding` call. With `sparse=True` (the default
+for an `nn.Embedding(sparse=True)`), the table's gradient is sparse: only the rows used.
+An `nn.Embedding`'s `padding_idx` (that row gets no gradient) and `max_norm` (the rows looked
+up are renormalised in place at forward time) act as in its own forward.""")
 
 
-def lookup(table: torch.Tensor | torch.nn.Embedding, index: int, sparse: bool | None = None,
-           graph: Graph | None = None) -> Expression:
-    """Row `index` of an embedding matrix (or `torch.nn.Embedding`).
-
-    All lookups into one table batch into one `embedding` call. With `sparse=True` (the default
-    for an `nn.Embedding(sparse=True)`), the table's gradient is sparse: only the rows used.
-    An `nn.Embedding`'s `padding_idx` (that row gets no gradient) and `max_norm` (the rows looked
-    up are renormalised in place at forward time) act as in its own forward.
-    """
-    options: tuple[tuple[str, Any], ...] = ()  # F.embedding's keyword options, by name
-    if isinstance(table, torch.nn.Embedding):
-        if table.scale_grad_by_freq:
-            raise ValueError(
-                "lookup: nn.Embedding(scale_grad_by_freq=True) is not supported: it scales the "
-                "gradient by how often a word occurs in ONE embedding call, and batching, not "
-                "the per-instance code, decides which lookups share a call")
-        sparse = table.sparse if sparse is None else sparse
-        if table.padding_idx is not None:
-            options += (("padding_idx", table.padding_idx),)
-        if table.max_norm is not None:
-            options += (("max_norm", table.max_norm), ("norm_type", table.norm_type))
-        table = table.weight
-    sparse = bool(sparse)
-    g = graph or current_graph()
-    if table.dim() != 2:
-        raise ShapeError(f"lookup: the table must be a matrix, got shape {tuple(table.shape)}")
-    i = _integer("lookup", index)
-    if not 0 <= i < table.shape[0]:
-        raise IndexError(f"lookup: index {i} out of range for a table of {table.shape[0]} rows")
-    g.check_tensor("lookup", table)
-    shape = (table.shape[1],)
-    return g.add(LOOKUP, (), shape, ("lookup", tag(g, table), sparse, shape) + options,
-                 (table, i, sparse, options))
+def _embedding_args(table: torch.nn.Embedding, sparse: bool | None
+                    ) -> tuple[torch.Tensor, bool, tuple[tuple[str, Any], ...]]:
+    """(weight, sparse, F.embedding's keyword options by name) of an `nn.Embedding` (the lookup
+    rule calls this for a table that is not a tensor)."""
+    if not isinstance(table, torch.nn.Embedding):
+        raise TypeError(f"lookup: the table must be a tensor or an nn.Embedding, "
+                        f"got {type(table).__name__}")
+    if table.scale_grad_by_freq:
+        raise ValueError(
+            "lookup: nn.Embedding(scale_grad_by_freq=True) is not supported: it scales the "
+            "gradient by how often a word occurs in ONE embedding call, and batching, not "
+            "the per-instance code, decides which lookups share a call")
+    options: tuple[tuple[str, Any], ...] = ()
+    if table.padding_idx is not None:
+        options += (("padding_idx", table.padding_idx),)
+    if table.max_norm is not None:
+        options += (("max_norm", table.max_norm), ("norm_type", table.norm_type))
+    return table.weight, bool(table.sparse if sparse is None else sparse), options
 
 
 # ---- unary elementwise ---------------------------------------------------------------------
 def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], cheap: bool = True):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0]), cheap=cheap)
-
-    def apply(x: Operand) -> Expression:
-        g, n = unary_operand(x)
-        shape = g.shape_of(n)
-        return g.add(op, (n,), shape, (name, shape))
-
-    apply.__name__ = name
-    apply.__doc__ = f"Elementwise {name}."
-    return apply
+    op = Op(name, lambda xs, attr, shape: fn(xs[0]), cheap=cheap, rule="unary")
+    return _core.Rule(op, doc=f"{name}(x): elementwise {name}.")
 
 
 tanh = _unary("tanh", torch.tanh)
@@ -194,17 +149,6 @@ neg = _unary("neg", torch.neg)
 
 
 # ---- binary elementwise, with NumPy broadcasting of per-instance shapes ----------------------
-def broadcast_shapes(op: str, a: Shape, b: Shape) -> Shape:
-    out = []
-    for i in range(1, max(len(a), len(b)) + 1):
-        da = a[-i] if i <= len(a) else 1
-        db = b[-i] if i <= len(b) else 1
-        if da != db and da != 1 and db != 1:
-            raise ShapeError(f"{op}: shapes {a} and {b} do not broadcast")
-        out.append(max(da, db))
-    return tuple(reversed(out))
-
-
 def _align(x: torch.Tensor, ndim: int) -> torch.Tensor:
     """Insert the per-instance leading 1s that broadcasting needs, after the batch dim."""
     missing = ndim - (x.dim() - 1)
@@ -213,16 +157,8 @@ def _align(x: torch.Tensor, ndim: int) -> torch.Tensor:
 
 def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     op = Op(name, lambda xs, attr, shape: fn(_align(xs[0], len(shape)), _align(xs[1], len(shape))),
-            cheap=True)
-
-    def apply(a: Operand, b: Operand) -> Expression:
-        g, na, nb = binary_operands(a, b)
-        sa, sb = g.shape_of(na), g.shape_of(nb)
-        shape = sa if sa == sb else broadcast_shapes(name, sa, sb)
-        return g.add(op, (na, nb), shape, (name, sa, sb))
-
-    apply.__name__ = name
-    return apply
+            cheap=True, rule="binary")
+    return _core.Rule(op, doc=f"{name}(a, b): elementwise, NumPy broadcasting of the shapes.")
 
 
 add = _binary("add", torch.add)
@@ -245,18 +181,11 @@ def _matmul_kernel(xs, attr, shape):
     return torch.matmul(a, b)  # matrix @ matrix, batched (bmm), broadcasting a shared operand
 
 
-MATMUL = Op("matmul", _matmul_kernel)
-
-
-def matmul(a: Operand, b: Operand) -> Expression:
-    """`a @ b` for vectors and matrices (per instance), as `torch.matmul`."""
-    g, na, nb = binary_operands(a, b)
-    sa, sb = g.shape_of(na), g.shape_of(nb)
-    if not (1 <= len(sa) <= 2 and 1 <= len(sb) <= 2) or sa[-1] != sb[0]:
-        raise ShapeError(f"matmul: cannot multiply shapes {sa} and {sb}")
-    shape = sa[:-1] + sb[1:]
-    vecs = (len(sa) == 1, len(sb) == 1)
-    return g.add(MATMUL, (na, nb), shape, ("matmul", _param_tag(g, na), sa, sb), vecs)
+# Signature ("matmul", tag of a if a parameter, shape of a, shape of b); attr (a is a vector,
+# b is a vector).
+MATMUL = Op("matmul", _matmul_kernel, rule="matmul")
+matmul = _core.Rule(MATMUL, doc="matmul(a, b): `a @ b` for vectors and matrices (per instance), "
+                                "as `torch.matmul`.")
 
 
 def _affine_kernel(xs, attr, shape):
@@ -266,17 +195,9 @@ def _affine_kernel(xs, attr, shape):
     return (w @ x.unsqueeze(-1)).squeeze(-1) + b
 
 
-AFFINE = Op("affine", _affine_kernel)
-
-
-def affine(W: Operand, x: Operand, b: Operand) -> Expression:
-    """`W @ x + b` as one node (one `addmm` per batch)."""
-    g, (nw, nx, nb) = list_operands((W, x, b))
-    sw, sx, sb = g.shape_of(nw), g.shape_of(nx), g.shape_of(nb)
-    if len(sw) != 2 or sx != (sw[1],) or sb != (sw[0],):
-        raise ShapeError(f"affine: W {sw} @ x {sx} + b {sb} do not fit")
-    return g.add(AFFINE, (nw, nx, nb), (sw[0],),
-                 ("affine", _param_tag(g, nw), _param_tag(g, nb), sw, sx))
+# Signature ("affine", tag of W, tag of b, shape of W, shape of x).
+AFFINE = Op("affine", _affine_kernel, rule="affine")
+affine = _core.Rule(AFFINE, doc="affine(W, x, b): `W @ x + b` as one node (one `addmm` per batch).")
 
 
 # ---- lists ---------------------------------------------------------------------------------
@@ -314,36 +235,16 @@ def _average_kernel(xs, lengths, shape):
 
 # Sums and averages of lists batch whatever their lengths: one flat gather of every argument
 # and a segment sum, so that e.g. per-sentence sums of token losses form ONE batch.
-ESUM = Op("esum", _esum_kernel, ragged=True)
-AVERAGE = Op("average", _average_kernel, ragged=True)
+# Signature (name, shape), and the number of inputs unless ragged.
+ESUM = Op("esum", _esum_kernel, ragged=True, rule="list")
+AVERAGE = Op("average", _average_kernel, ragged=True, rule="list")
 EMAX = Op("emax", _list_kernel(lambda x: x.max(1).values,
-                               lambda xs: torch.stack(xs, 1).max(1).values), stack_from=3)
-
-
-def _same_shape_list(name: str, op: Op, xs: Sequence[Operand]) -> Expression:
-    if len(xs) == 0:
-        raise ValueError(f"{name}: needs at least one expression")
-    g, nodes = list_operands(xs)
-    shape = g.shape_of(nodes[0])
-    for n in nodes:
-        if g.shape_of(n) != shape:
-            raise ShapeError(f"{name}: all shapes must be equal, got "
-                             f"{sorted({g.shape_of(m) for m in nodes})}")
-    return g.add(op, nodes, shape, (name, shape) if op.ragged else (name, shape, len(nodes)))
-
-
-def esum(xs: Sequence[Operand]) -> Expression:
-    """The sum of a list of expressions of equal shape (one stacked gather, one sum)."""
-    return _same_shape_list("esum", ESUM, xs)
-
-
-def average(xs: Sequence[Operand]) -> Expression:
-    return _same_shape_list("average", AVERAGE, xs)
-
-
-def emax(xs: Sequence[Operand]) -> Expression:
-    """Elementwise maximum of a list of expressions."""
-    return _same_shape_list("emax", EMAX, xs)
+                               lambda xs: torch.stack(xs, 1).max(1).values), stack_from=3,
+          rule="list")
+esum = _core.Rule(ESUM, doc="esum(xs): the sum of a list of expressions of equal shape (one "
+                            "stacked gather, one sum).")
+average = _core.Rule(AVERAGE, doc="average(xs): the mean of a list of expressions of equal shape.")
+emax = _core.Rule(EMAX, doc="emax(xs): elementwise maximum of a list of expressions.")
 
 
 def _concat_kernel(xs, dim, shape):
@@ -354,43 +255,19 @@ def _concat_kernel(xs, dim, shape):
     return torch.cat([x.expand(size, *x.shape[1:]) for x in xs], dim + 1)
 
 
-CONCAT = Op("concat", _concat_kernel, stack_from=8, cheap=True)
-_CONCAT_POSITIONAL = Op("concat", _concat_kernel, cheap=True)
-
-
-def concat(xs: Sequence[Operand], dim: int = 0) -> Expression:
-    """Concatenate along `dim` (per-instance dims; 0 for vectors)."""
-    if len(xs) == 0:
-        raise ValueError("concat: needs at least one expression")
-    g, nodes = list_operands(xs)
-    shapes = tuple([g.shape_of(n) for n in nodes])
-    first = shapes[0]
-    if not 0 <= dim < len(first):
-        raise ShapeError(f"concat: dim {dim} out of range for shape {first}")
-    if len(first) == 1:  # vectors (the common case): any lengths fit
-        if any(len(s) != 1 for s in shapes):
-            raise ShapeError(f"concat: shapes {list(shapes)} differ outside dim {dim}")
-        shape = (sum([s[0] for s in shapes]),)
-    else:
-        for s in shapes:
-            if len(s) != len(first) or s[:dim] + s[dim + 1:] != first[:dim] + first[dim + 1:]:
-                raise ShapeError(f"concat: shapes {list(shapes)} differ outside dim {dim}")
-        shape = first[:dim] + (sum(s[dim] for s in shapes),) + first[dim + 1:]
-    # Only equal shapes along dim 0 can be gathered as one stacked tensor and reshaped.
-    op = CONCAT if dim == 0 and shapes.count(first) == len(shapes) else _CONCAT_POSITIONAL
-    return g.add(op, nodes, shape, ("concat", shapes, dim), dim)
+# Signature ("concat", input shapes, dim); attr dim. Equal shapes along dim 0 are gathered as
+# one stacked tensor and reshaped (CONCAT), others are read one argument each.
+CONCAT = Op("concat", _concat_kernel, stack_from=8, cheap=True, rule="concat")
+_CONCAT_POSITIONAL = Op("concat", _concat_kernel, cheap=True, rule="concat")
+concat = _core.Rule(CONCAT, positional=_CONCAT_POSITIONAL,
+                    doc="concat(xs, dim=0): concatenate along `dim` (per-instance dims; 0 for "
+                        "vectors).")
 
 
 # ---- reductions and losses -------------------------------------------------------------------
 def _reduction(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0].reshape(xs[0].shape[0], -1)))
-
-    def apply(x: Operand) -> Expression:
-        g, n = unary_operand(x)
-        return g.add(op, (n,), (), (name, g.shape_of(n)))
-
-    apply.__name__ = name
-    return apply
+    op = Op(name, lambda xs, attr, shape: fn(xs[0].reshape(xs[0].shape[0], -1)), rule="reduce")
+    return _core.Rule(op, doc=f"{name}(x): a scalar per instance.")
 
 
 sum_elems = _reduction("sum_elems", lambda x: x.sum(1))
@@ -400,7 +277,8 @@ squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
 
 def dot(a: Operand, b: Operand) -> Expression:
     """The dot product of two vectors of equal length, as `torch.dot`."""
-    g, na, nb = binary_operands(a, b)
+    g = graph_of(a, b)
+    na, nb = node(g, a), node(g, b)
     sa, sb = g.shape_of(na), g.shape_of(nb)
     if len(sa) != 1 or sa != sb:
         raise ShapeError(f"dot: needs two vectors of equal length, got shapes {sa} and {sb}")
@@ -412,17 +290,8 @@ def squared_distance(a: Operand, b: Operand) -> Expression:
 
 
 def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0]))
-
-    def apply(x: Operand) -> Expression:
-        g, n = unary_operand(x)
-        shape = g.shape_of(n)
-        if len(shape) != 1:
-            raise ShapeError(f"{name}: needs a vector, got shape {shape}")
-        return g.add(op, (n,), shape, (name, shape))
-
-    apply.__name__ = name
-    return apply
+    op = Op(name, lambda xs, attr, shape: fn(xs[0]), rule="vector")
+    return _core.Rule(op, doc=f"{name}(x) of a vector.")
 
 
 softmax = _softmax("softmax", lambda x: torch.softmax(x, -1))
@@ -444,12 +313,19 @@ def _pnls_kernel(xs, attrs, shape):
     return -torch.log_softmax(x, -1).gather(1, _indices(attrs, x).unsqueeze(1)).squeeze(1)
 
 
-PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True)
-PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True)
+# Signature (name, shape of x); attr the index, checked and made non-negative at the call.
+PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, rule="pick")
+PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, rule="pick_nls")
+pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "
+                            "per-instance dim.")
+pick_neg_log_softmax = _core.Rule(
+    PICK_NLS, doc="pick_neg_log_softmax(x, label): `-log(softmax(x)[label])`, the cross-entropy "
+                  "loss of one instance (one fused kernel).")
 
 
 def _integer(name: str, index: Any) -> int:
-    """An index as an int; a float or bool index is a bug at the caller, not a row number."""
+    """An index as an int; a float or bool index is a bug at the caller, not a row number (the
+    rules call this for an index that is not a plain int)."""
     if isinstance(index, torch.Tensor) and index.numel() == 1 and not index.is_floating_point() \
             and index.dtype != torch.bool:
         return int(index)
@@ -458,51 +334,12 @@ def _integer(name: str, index: Any) -> int:
     raise TypeError(f"{name}: the index must be an integer, got {index!r}")
 
 
-def _checked_index(name: str, shape: Shape, i: int) -> int:
-    if len(shape) == 0:
-        raise ShapeError(f"{name}: cannot index a scalar")
-    i = _integer(name, i)
-    if not -shape[0] <= i < shape[0]:
-        raise IndexError(f"{name}: index {i} out of range for shape {shape}")
-    return i % shape[0]
-
-
-def pick(x: Operand, i: int) -> Expression:
-    """Element (or row) `i` of `x`: `x[i]` along the first per-instance dim."""
-    g, n = unary_operand(x)
-    shape = g.shape_of(n)
-    i = _checked_index("pick", shape, i)
-    return g.add(PICK, (n,), shape[1:], ("pick", shape), i)
-
-
-def pick_neg_log_softmax(x: Operand, label: int) -> Expression:
-    """`-log(softmax(x)[label])`, the cross-entropy loss of one instance (one fused kernel)."""
-    g, n = unary_operand(x)
-    shape = g.shape_of(n)
-    if len(shape) != 1:
-        raise ShapeError(f"pick_neg_log_softmax: needs a vector, got shape {shape}")
-    label = _checked_index("pick_neg_log_softmax", shape, label)
-    return g.add(PICK_NLS, (n,), (), ("pick_neg_log_softmax", shape), label)
-
-
 # ---- shape ops ---------------------------------------------------------------------------------
-SLICE = Op("slice", lambda xs, bounds, shape: xs[0][:, bounds[0]:bounds[1]], cheap=True)
-
-
-def slice_rows(x: Operand, start: int, stop: int) -> Expression:
-    """`x[start:stop]` along the first per-instance dim (a view, no copy)."""
-    g, n = unary_operand(x)
-    shape = g.shape_of(n)
-    if len(shape) == 0:
-        raise ShapeError("slice: cannot slice a scalar")
-    begin, end, step = builtin_slice(start, stop).indices(shape[0])
-    if end <= begin:
-        raise IndexError(f"slice: [{start}:{stop}] is empty for shape {shape}")
-    return g.add(SLICE, (n,), (end - begin,) + shape[1:], ("slice", shape, begin, end),
-                 (begin, end))
-
-
-builtin_slice = slice
+# Signature ("slice", shape of x, begin, end); attr (begin, end), as `slice.indices` makes them.
+SLICE = Op("slice", lambda xs, bounds, shape: xs[0][:, bounds[0]:bounds[1]], cheap=True,
+           rule="slice")
+slice_rows = _core.Rule(SLICE, doc="slice_rows(x, start, stop): `x[start:stop]` along the first "
+                                   "per-instance dim (a view, no copy).")
 
 
 def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
@@ -549,38 +386,18 @@ def dropout(x: Operand, p: float, training: bool = True) -> Expression:
 
 
 # ---- operators on expressions -------------------------------------------------------------------
-def _getitem(x: Expression, index: Any) -> Expression:
-    if isinstance(index, builtin_slice):
-        if index.step not in (None, 1):
-            raise IndexError("slicing with a step is not supported")
-        n = x.shape[0] if x.shape else 0
-        return slice_rows(x, 0 if index.start is None else index.start,
-                          n if index.stop is None else index.stop)
-    if isinstance(index, (numbers.Integral, np.integer, np.bool_)):
-        return pick(x, index)  # which rejects a bool: x[True] is not x[1]
-    raise IndexError(f"unsupported index {index!r}: use an int or a slice")
-
-
-def _reflected(fn: Callable[[Operand, Operand], Expression]):
-    return lambda self, other: fn(other, self)
-
-
-Expression.__add__ = add
-Expression.__radd__ = _reflected(add)
-Expression.__sub__ = sub
-Expression.__rsub__ = _reflected(sub)
-Expression.__mul__ = mul
-Expression.__rmul__ = _reflected(mul)
-Expression.__truediv__ = div
-Expression.__rtruediv__ = _reflected(div)
-Expression.__matmul__ = matmul
-Expression.__rmatmul__ = _reflected(matmul)
-Expression.__neg__ = neg
-Expression.__getitem__ = _getitem
+# `+ - * / @`, unary `-`, `x[i]` (pick) and `x[a:b]` (slice_rows) are C slots of the Expression
+# type calling these rules (either side may be a number, tensor or ndarray).
+_core.set_operators(add, sub, mul, div, matmul, neg, pick, slice_rows)
+_INDEX_TYPES = (numbers.Integral, np.integer, np.bool_)  # what `x[i]` picks by
 Expression.__iter__ = None  # iterating would loop forever through __getitem__: forbid it
 # Without it NumPy takes an Expression for a scalar object and applies `ndarray + x` element by
 # element (an object array of expressions); None makes NumPy defer to `x.__radd__` and the like.
 Expression.__array_ufunc__ = None
+
+
+def _reflected(fn: Callable[[Operand, Operand], Expression]):
+    return lambda self, other: fn(other, self)
 
 
 # A torch.Tensor on the left of an operator (`W @ h`, `b + h`) would make torch try, fail and

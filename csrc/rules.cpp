@@ -1,0 +1,916 @@
+// The op-creation hot path: `fb.tanh(x)`, `a + b`, `W @ h`, `fb.lookup(E, i)`... are one C call
+// each. A `_core.Rule` wraps one row of the op table of ops.py (an `Op` whose `rule` names its
+// family below); calling it resolves the operands, applies the family's shape rule, interns the
+// signature and appends the node. The Expression operators are C slots calling these rules.
+//
+// Operands: an Expression of the graph is its node; anything else (a tensor, an ndarray, a
+// number) goes through ONE Python callback, `Graph._operand`, which keeps the value rules
+// (copy at the call, leaf requiring grad = parameter, constants keyed by their bits); floats
+// already seen by this graph skip it.
+//
+// Signatures: each family writes its key as ints (op code, no-grad mark, shape ids, tags...);
+// the first time a graph meets a key, the family's `python_key` builds the readable tuple
+// (what `signatures.describe` prints), interned in the same per-graph table as the keys of
+// `Graph.add`, so both paths agree on one int per key.
+//
+// Adding a rule family: a `Family` value, its case in `apply` (shape rule and key) and in
+// `python_key`, and its name in `family_of`.
+#include "store.h"
+
+#include <structmember.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstring>
+#include <string>
+
+namespace flybatch {
+
+enum class Family {
+  unary,      // same shape
+  vector,     // same shape, which must be a vector (softmax)
+  reduce,     // a scalar (sum_elems)
+  binary,     // elementwise, NumPy broadcasting
+  matmul,     // vectors and matrices; batched by a shared parameter's tag
+  affine,     // W @ x + b
+  list,       // equal shapes, any number (esum, average, emax)
+  concat,     // along a dim
+  pick,       // an element or row, by index
+  pick_nls,   // -log_softmax(x)[label]
+  slice,      // x[start:stop]
+  lookup,     // a row of an embedding table
+};
+
+struct Rule {
+  PyObject_HEAD
+  vectorcallfunc call;
+  Family family;
+  std::int32_t code;  // of `op` in the op table
+  std::int32_t alt;   // concat: the op of shapes that cannot be stacked; else -1
+  PyObject* op;
+  PyObject* alt_op;
+  PyObject* name;     // op.name
+  PyObject* doc;
+  const char* cname;
+  bool ragged;        // list: the key leaves out the number of inputs
+};
+
+namespace {
+
+PyObject* s_operand = nullptr;  // "_operand"
+PyObject* s_lookup_tag = nullptr;
+PyObject* g_ops_module = nullptr;  // flybatch.ops, for _embedding_args and _integer
+PyObject* g_rules[8] = {};          // the operator rules: + - * / @ neg pick slice
+
+enum Operator { kAdd, kSub, kMul, kDiv, kMatmul, kNeg, kPick, kSlice };
+
+template <class Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
+// The key of a signature as ints, without allocating for the usual few.
+class Key {
+ public:
+  void push(i64 x) {
+    if (n_ < kSmall) small_[n_] = x;
+    else {
+      if (n_ == kSmall) big_.assign(small_, small_ + kSmall);
+      big_.push_back(x);
+    }
+    ++n_;
+  }
+  const i64* data() const { return n_ <= kSmall ? small_ : big_.data(); }
+  std::size_t size() const { return n_; }
+
+ private:
+  static constexpr std::size_t kSmall = 12;
+  i64 small_[kSmall];
+  std::vector<i64> big_;
+  std::size_t n_ = 0;
+};
+
+// A node's shape as dims (a view into the store's shape table).
+struct Dims {
+  const i64* d;
+  std::size_t n;
+  i64 operator[](std::size_t i) const { return d[i]; }
+  bool operator==(const Dims& o) const { return n == o.n && std::equal(d, d + n, o.d); }
+};
+
+Dims dims_of(const Store* g, i64 node) {
+  Dims out;
+  out.d = shape_dims(g, g->nodes->shape[node], &out.n);
+  return out;
+}
+
+PyObject* shape_tuple(const Store* g, i64 node) {
+  return (*g->shape_tuples)[g->nodes->shape[node]];
+}
+
+// ---- operands ----------------------------------------------------------------------------------
+bool is_expression(PyObject* x) { return PyObject_TypeCheck(x, &ExpressionBase); }
+
+Expression* as_expression(PyObject* x) { return reinterpret_cast<Expression*>(x); }
+
+// The graph of the first expression among `xs` (items of a list too), else the current graph.
+// Returns a new reference.
+Store* graph_of(PyObject* const* xs, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (is_expression(xs[i]))
+      return reinterpret_cast<Store*>(
+          Py_NewRef(reinterpret_cast<PyObject*>(as_expression(xs[i])->graph)));
+  PyObject* g = PyObject_CallNoArgs(g_current_graph);
+  if (!g) throw PythonError{};
+  return reinterpret_cast<Store*>(g);
+}
+
+// Owns a reference to a graph for the length of a rule call.
+struct GraphRef {
+  explicit GraphRef(Store* g) : g(g) {}
+  ~GraphRef() { Py_DECREF(reinterpret_cast<PyObject*>(g)); }
+  GraphRef(const GraphRef&) = delete;
+  GraphRef& operator=(const GraphRef&) = delete;
+  Store* g;
+};
+
+i64 node_of(Store* g, PyObject* x) {
+  if (is_expression(x)) {
+    Expression* e = as_expression(x);
+    if (e->graph == g) return e->id;
+    if (e->graph->closed)
+      raise(g_graph_error, "%R belongs to a closed graph; expressions cannot outlive their graph "
+                           "(create them in the current graph)", x);
+    raise(g_graph_error, "%R belongs to another graph; one op cannot mix two graphs", x);
+  }
+  std::uint64_t bits = 0;
+  const bool number = PyFloat_CheckExact(x);
+  if (number) {  // the constant of these bits, if this graph has made it already
+    const double v = PyFloat_AS_DOUBLE(x);
+    std::memcpy(&bits, &v, sizeof bits);
+    const auto found = g->scalars->find(bits);
+    if (found != g->scalars->end()) return found->second;
+  }
+  PyObject* node = PyObject_CallMethodOneArg(reinterpret_cast<PyObject*>(g), s_operand, x);
+  if (!node) throw PythonError{};
+  const i64 id = PyLong_AsLongLong(node);
+  Py_DECREF(node);
+  if (id == -1 && PyErr_Occurred()) throw PythonError{};
+  if (number) g->scalars->emplace(bits, id);
+  return id;
+}
+
+// An index as an int: a Python int directly, anything else as ops._integer decides (a float or
+// a bool is a bug at the caller, not a row number).
+i64 integer(const char* name, PyObject* index) {
+  if (PyLong_CheckExact(index)) {
+    const long long v = PyLong_AsLongLong(index);
+    if (v == -1 && PyErr_Occurred()) throw PythonError{};
+    return v;
+  }
+  PyObject* v = PyObject_CallMethod(g_ops_module, "_integer", "sO", name, index);
+  if (!v) throw PythonError{};
+  const long long out = PyLong_AsLongLong(v);
+  Py_DECREF(v);
+  if (out == -1 && PyErr_Occurred()) throw PythonError{};
+  return out;
+}
+
+PyObject* new_tuple(std::initializer_list<PyObject*> items) {  // steals the items
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  Py_ssize_t i = 0;
+  for (PyObject* item : items) {
+    if (!t || !item) {
+      Py_XDECREF(item);
+      continue;
+    }
+    PyTuple_SET_ITEM(t, i++, item);
+  }
+  if (t && i < static_cast<Py_ssize_t>(items.size())) Py_CLEAR(t);
+  if (!t) throw PythonError{};
+  return t;
+}
+
+PyObject* tag_of(const Store* g, i64 node) {  // a parameter's tag, else None
+  const auto found = g->param_tags->find(node);
+  return Py_NewRef(found == g->param_tags->end() ? Py_None : found->second);
+}
+
+i64 tag_number(const Store* g, i64 node) {
+  const auto found = g->param_tags->find(node);
+  return found == g->param_tags->end() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(found->second, 1));
+}
+
+// ---- signatures --------------------------------------------------------------------------------
+// The signature int of `key` in `g`; `python_key()` (a new reference) is called only for a key
+// this graph has not met.
+template <class PythonKey>
+i64 signature(Store* g, const Key& key, bool no_grad, PythonKey&& python_key) {
+  const std::uint64_t h = KeyTable::hash(key.data(), key.size());
+  const std::int32_t id = g->sig_keys_c->find(key.data(), key.size(), h);
+  if (id >= 0) return (*g->sig_of_key)[id];
+  PyObject* readable = python_key();
+  if (no_grad) readable = new_tuple({PyUnicode_FromString("no_grad"), readable});
+  i64 sig;
+  try {
+    sig = python_sig(g, readable);
+  } catch (...) {
+    Py_DECREF(readable);
+    throw;
+  }
+  Py_DECREF(readable);
+  g->sig_of_key->push_back(sig);
+  g->sig_keys_c->insert(key.data(), key.size(), h);
+  return sig;
+}
+
+PyObject* shapes_tuple(const Store* g, const i64* nodes, std::size_t n) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (!t) throw PythonError{};
+  for (std::size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(t, i, Py_NewRef(shape_tuple(g, nodes[i])));
+  return t;
+}
+
+// ---- the families ------------------------------------------------------------------------------
+[[noreturn]] void shape_error(const char* format, ...);
+
+// The node `rule` makes of `operands` (already resolved to `args` in `g`). `extra`: the index of
+// pick, the bounds of slice, the dim of concat.
+PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* const* extra) {
+  const char* name = rule->cname;
+  Key key;
+  std::int32_t code = rule->code;
+  std::vector<i64> out_dims;
+  PyObject* attr = Py_None;
+  PyObject* owned_attr = nullptr;  // a new reference to release after the append
+  std::int32_t out_shape = -1;
+  const bool no_grad = !grad_enabled();
+  auto finish = [&](auto&& python_key) -> PyObject* {
+    key.push(no_grad);
+    if (out_shape < 0) out_shape = intern_shape(g, out_dims.data(), out_dims.size());
+    const i64 sig = signature(g, key, no_grad, python_key);
+    check_open(g);
+    PyObject* e;
+    try {
+      e = append(g, code, args, n, out_shape, sig, attr, no_grad);
+    } catch (...) {
+      Py_XDECREF(owned_attr);
+      throw;
+    }
+    Py_XDECREF(owned_attr);
+    return e;
+  };
+  auto named = [&](std::initializer_list<PyObject*> rest) {
+    std::vector<PyObject*> items{Py_NewRef(rule->name)};
+    items.insert(items.end(), rest.begin(), rest.end());
+    PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+    if (!t) {
+      for (PyObject* i : items) Py_XDECREF(i);
+      throw PythonError{};
+    }
+    for (std::size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(t, i, items[i]);
+    return t;
+  };
+  const Dims a = dims_of(g, args[0]);
+  key.push(code);
+  switch (rule->family) {
+    case Family::vector:
+      if (a.n != 1) shape_error("%s: needs a vector, got shape %R", name, shape_tuple(g, args[0]));
+      [[fallthrough]];
+    case Family::unary:
+      out_shape = g->nodes->shape[args[0]];
+      key.push(out_shape);
+      return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
+    case Family::reduce:
+      key.push(g->nodes->shape[args[0]]);
+      return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
+    case Family::binary: {
+      const Dims b = dims_of(g, args[1]);
+      if (a == b) {
+        out_shape = g->nodes->shape[args[0]];
+      } else {
+        const std::size_t nd = std::max(a.n, b.n);
+        out_dims.resize(nd);
+        for (std::size_t i = 1; i <= nd; ++i) {
+          const i64 da = i <= a.n ? a[a.n - i] : 1, db = i <= b.n ? b[b.n - i] : 1;
+          if (da != db && da != 1 && db != 1)
+            shape_error("%s: shapes %R and %R do not broadcast", name, shape_tuple(g, args[0]),
+                        shape_tuple(g, args[1]));
+          out_dims[nd - i] = std::max(da, db);
+        }
+      }
+      key.push(g->nodes->shape[args[0]]);
+      key.push(g->nodes->shape[args[1]]);
+      return finish([&] {
+        return named({Py_NewRef(shape_tuple(g, args[0])), Py_NewRef(shape_tuple(g, args[1]))});
+      });
+    }
+    case Family::matmul: {
+      const Dims b = dims_of(g, args[1]);
+      if (!(1 <= a.n && a.n <= 2 && 1 <= b.n && b.n <= 2) || a[a.n - 1] != b[0])
+        shape_error("matmul: cannot multiply shapes %R and %R", shape_tuple(g, args[0]),
+                    shape_tuple(g, args[1]));
+      out_dims.assign(a.d, a.d + a.n - 1);
+      out_dims.insert(out_dims.end(), b.d + 1, b.d + b.n);
+      // (a is a vector, b is a vector): what the kernel needs, one of four shared tuples
+      static PyObject* vecs[4] = {};
+      const int which = 2 * (a.n == 1) + (b.n == 1);
+      if (!vecs[which] && !(vecs[which] = Py_BuildValue("(OO)", a.n == 1 ? Py_True : Py_False,
+                                                        b.n == 1 ? Py_True : Py_False)))
+        throw PythonError{};
+      attr = vecs[which];
+      key.push(tag_number(g, args[0]));
+      key.push(g->nodes->shape[args[0]]);
+      key.push(g->nodes->shape[args[1]]);
+      return finish([&] {
+        return named({tag_of(g, args[0]), Py_NewRef(shape_tuple(g, args[0])),
+                      Py_NewRef(shape_tuple(g, args[1]))});
+      });
+    }
+    case Family::affine: {
+      const Dims x = dims_of(g, args[1]), b = dims_of(g, args[2]);
+      if (a.n != 2 || x.n != 1 || x[0] != a[1] || b.n != 1 || b[0] != a[0])
+        shape_error("affine: W %R @ x %R + b %R do not fit", shape_tuple(g, args[0]),
+                    shape_tuple(g, args[1]), shape_tuple(g, args[2]));
+      out_dims.assign(1, a[0]);
+      key.push(tag_number(g, args[0]));
+      key.push(tag_number(g, args[2]));
+      key.push(g->nodes->shape[args[0]]);
+      key.push(g->nodes->shape[args[1]]);
+      return finish([&] {
+        return named({tag_of(g, args[0]), tag_of(g, args[2]), Py_NewRef(shape_tuple(g, args[0])),
+                      Py_NewRef(shape_tuple(g, args[1]))});
+      });
+    }
+    case Family::list: {
+      const std::int32_t shape = g->nodes->shape[args[0]];
+      for (std::size_t i = 1; i < n; ++i)
+        if (g->nodes->shape[args[i]] != shape) {
+          PyObject* distinct = PySet_New(nullptr);
+          for (std::size_t j = 0; distinct && j < n; ++j)
+            if (PySet_Add(distinct, shape_tuple(g, args[j])) < 0) Py_CLEAR(distinct);
+          PyObject* sorted = distinct ? PySequence_List(distinct) : nullptr;
+          Py_XDECREF(distinct);
+          if (!sorted || PyList_Sort(sorted) < 0) {
+            Py_XDECREF(sorted);
+            throw PythonError{};
+          }
+          PyErr_Format(g_shape_error, "%s: all shapes must be equal, got %R", name, sorted);
+          Py_DECREF(sorted);
+          throw PythonError{};
+        }
+      out_shape = shape;
+      key.push(shape);
+      if (!rule->ragged) key.push(static_cast<i64>(n));
+      return finish([&] {
+        PyObject* s = Py_NewRef(shape_tuple(g, args[0]));
+        return rule->ragged ? named({s}) : named({s, PyLong_FromSize_t(n)});
+      });
+    }
+    case Family::concat: {
+      const i64 dim = integer("concat", extra[0]);
+      if (!(0 <= dim && dim < static_cast<i64>(a.n)))
+        shape_error("concat: dim %lld out of range for shape %R", static_cast<long long>(dim),
+                    shape_tuple(g, args[0]));
+      bool same = true;  // every shape equal: stacked along dim 0 in one gather
+      out_dims.assign(a.d, a.d + a.n);
+      out_dims[dim] = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const Dims s = dims_of(g, args[i]);
+        bool fits = s.n == a.n;
+        for (std::size_t k = 0; fits && k < a.n; ++k)
+          fits = k == static_cast<std::size_t>(dim) || s[k] == a[k];
+        if (!fits) {
+          PyObject* shapes = shapes_tuple(g, args, n);
+          PyObject* list = PySequence_List(shapes);
+          Py_DECREF(shapes);
+          if (!list) throw PythonError{};
+          PyErr_Format(g_shape_error, "concat: shapes %R differ outside dim %lld", list,
+                       static_cast<long long>(dim));
+          Py_DECREF(list);
+          throw PythonError{};
+        }
+        same = same && g->nodes->shape[args[i]] == g->nodes->shape[args[0]];
+        out_dims[dim] += s[dim];
+      }
+      if (!(dim == 0 && same)) code = rule->alt;
+      attr = owned_attr = PyLong_FromLongLong(dim);
+      if (!attr) throw PythonError{};
+      key.push(dim);
+      for (std::size_t i = 0; i < n; ++i) key.push(g->nodes->shape[args[i]]);
+      return finish([&] { return named({shapes_tuple(g, args, n), PyLong_FromLongLong(dim)}); });
+    }
+    case Family::pick:
+    case Family::pick_nls: {
+      if (rule->family == Family::pick_nls && a.n != 1)
+        shape_error("pick_neg_log_softmax: needs a vector, got shape %R", shape_tuple(g, args[0]));
+      if (a.n == 0) shape_error("%s: cannot index a scalar", name);
+      i64 i = integer(name, extra[0]);
+      if (!(-a[0] <= i && i < a[0]))
+        raise(PyExc_IndexError, "%s: index %lld out of range for shape %R", name,
+              static_cast<long long>(i), shape_tuple(g, args[0]));
+      if (i < 0) i += a[0];
+      if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
+      attr = owned_attr = PyLong_FromLongLong(i);
+      if (!attr) throw PythonError{};
+      key.push(g->nodes->shape[args[0]]);
+      return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
+    }
+    case Family::slice: {
+      if (a.n == 0) shape_error("slice: cannot slice a scalar");
+      PyObject* bounds = PySlice_New(extra[0], extra[1], nullptr);
+      if (!bounds) throw PythonError{};
+      Py_ssize_t begin, end, step;
+      const int failed = PySlice_Unpack(bounds, &begin, &end, &step);
+      Py_DECREF(bounds);
+      if (failed < 0) throw PythonError{};
+      PySlice_AdjustIndices(a[0], &begin, &end, step);
+      if (end <= begin)
+        raise(PyExc_IndexError, "slice: [%S:%S] is empty for shape %R", extra[0], extra[1],
+              shape_tuple(g, args[0]));
+      out_dims.assign(a.d, a.d + a.n);
+      out_dims[0] = end - begin;
+      attr = owned_attr = Py_BuildValue("(nn)", begin, end);
+      if (!attr) throw PythonError{};
+      key.push(g->nodes->shape[args[0]]);
+      key.push(begin);
+      key.push(end);
+      return finish([&] {
+        return named({Py_NewRef(shape_tuple(g, args[0])), PyLong_FromSsize_t(begin),
+                      PyLong_FromSsize_t(end)});
+      });
+    }
+    default:
+      break;
+  }
+  PyErr_SetString(PyExc_SystemError, "rule family without a shape rule");
+  throw PythonError{};
+}
+
+void shape_error(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  PyErr_FormatV(g_shape_error, format, args);
+  va_end(args);
+  throw PythonError{};
+}
+
+// `fb.lookup(table, index, sparse=None, graph=None)`: a row of a matrix (or nn.Embedding).
+PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
+  PyObject *table = argv[0], *sparse = argc > 2 ? argv[2] : Py_None,
+           *graph = argc > 3 ? argv[3] : Py_None, *options = nullptr;
+  PyObject* owned = nullptr;  // (table, sparse, options) of an nn.Embedding
+  if (!PyObject_TypeCheck(table, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
+    owned = PyObject_CallMethod(g_ops_module, "_embedding_args", "OO", table, sparse);
+    if (!owned) throw PythonError{};
+    table = PyTuple_GET_ITEM(owned, 0);
+    sparse = PyTuple_GET_ITEM(owned, 1);
+    options = PyTuple_GET_ITEM(owned, 2);
+  }
+  struct Release {
+    PyObject* o;
+    ~Release() { Py_XDECREF(o); }
+  } release{owned};
+  const int is_sparse = PyObject_IsTrue(sparse);
+  if (is_sparse < 0) throw PythonError{};
+  static PyObject* no_options = PyTuple_New(0);
+  if (!options) options = no_options;
+  GraphRef ref(graph == Py_None ? graph_of(nullptr, 0)
+                                : reinterpret_cast<Store*>(Py_NewRef(graph)));
+  Store* g = ref.g;
+  PyObject* size = PyObject_GetAttrString(table, "shape");
+  if (!size) throw PythonError{};
+  struct Release size_ref{size};
+  if (PyTuple_GET_SIZE(size) != 2) {
+    PyObject* plain = PySequence_Tuple(size);  // (3,), not torch.Size([3])
+    if (!plain) throw PythonError{};
+    PyErr_Format(g_shape_error, "lookup: the table must be a matrix, got shape %R", plain);
+    Py_DECREF(plain);
+    throw PythonError{};
+  }
+  const i64 rows = PyLong_AsLongLong(PyTuple_GET_ITEM(size, 0));
+  const i64 cols = PyLong_AsLongLong(PyTuple_GET_ITEM(size, 1));
+  const i64 i = integer("lookup", argv[1]);
+  if (!(0 <= i && i < rows))
+    raise(PyExc_IndexError, "lookup: index %lld out of range for a table of %lld rows",
+          static_cast<long long>(i), static_cast<long long>(rows));
+  check_open(g);
+  PyObject*& tag = (*g->table_tags)[table];  // the graph's tags hold the table until close
+  if (!tag) {
+    tag = PyObject_CallMethodOneArg(reinterpret_cast<PyObject*>(g), s_lookup_tag, table);
+    if (!tag) {
+      g->table_tags->erase(table);
+      throw PythonError{};
+    }
+  }
+  const std::int32_t shape = intern_shape(g, &cols, 1);
+  const bool no_grad = false;  // a leaf: no inputs, so no grad mode of its own
+  PyObject* sparse_flag = is_sparse ? Py_True : Py_False;
+  auto python_key = [&] {
+    PyObject* head = Py_BuildValue("(sOON)", "lookup", tag, sparse_flag,
+                                   Py_BuildValue("(L)", static_cast<long long>(cols)));
+    if (!head) throw PythonError{};
+    PyObject* full = PySequence_Concat(head, options);
+    Py_DECREF(head);
+    if (!full) throw PythonError{};
+    return full;
+  };
+  i64 sig;
+  if (options == no_options) {
+    Key key;
+    key.push(rule->code);
+    key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
+    key.push(is_sparse);
+    key.push(shape);
+    sig = signature(g, key, no_grad, python_key);
+  } else {  // an nn.Embedding's options (rare): its whole Python key, every time
+    PyObject* readable = python_key();
+    struct Release readable_ref{readable};
+    sig = python_sig(g, readable);
+  }
+  PyObject* attr = Py_BuildValue("(OLOO)", table, static_cast<long long>(i), sparse_flag, options);
+  if (!attr) throw PythonError{};
+  PyObject* e;
+  try {
+    e = append(g, rule->code, nullptr, 0, shape, sig, attr, no_grad);
+  } catch (...) {
+    Py_DECREF(attr);
+    throw;
+  }
+  Py_DECREF(attr);
+  return e;
+}
+
+std::size_t arity(Family family) {
+  switch (family) {
+    case Family::binary:
+    case Family::matmul: return 2;
+    case Family::affine: return 3;
+    default: return 1;
+  }
+}
+
+// Calls `rule` on positional operands (the list families take one sequence).
+PyObject* call_rule(Rule* rule, PyObject* const* argv, std::size_t argc, PyObject* const* extra) {
+  return guarded([&]() -> PyObject* {
+    if (rule->family == Family::lookup) return lookup(rule, argv, argc);
+    PyObject* const* operands = argv;
+    std::size_t n = arity(rule->family);
+    PyObject* seq = nullptr;
+    if (rule->family == Family::list || rule->family == Family::concat) {
+      seq = PySequence_Fast(argv[0], "expected a list of expressions");
+      if (!seq) throw PythonError{};
+      operands = PySequence_Fast_ITEMS(seq);
+      n = PySequence_Fast_GET_SIZE(seq);
+    }
+    struct Release {
+      PyObject* o;
+      ~Release() { Py_XDECREF(o); }
+    } release{seq};
+    if (n == 0) raise(PyExc_ValueError, "%s: needs at least one expression", rule->cname);
+    GraphRef ref(graph_of(operands, n));
+    i64 small[3];
+    std::vector<i64> many;
+    i64* args = small;
+    if (n > 3) {
+      many.resize(n);
+      args = many.data();
+    }
+    for (std::size_t i = 0; i < n; ++i) args[i] = node_of(ref.g, operands[i]);
+    return apply(rule, ref.g, args, n, extra);
+  });
+}
+
+// ---- the Rule type -----------------------------------------------------------------------------
+PyObject* rule_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  Rule* rule = reinterpret_cast<Rule*>(self);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  // Positional parameters after the operands, and their defaults.
+  static const char* const lookup_names[] = {"table", "index", "sparse", "graph"};
+  static const char* const concat_names[] = {"xs", "dim"};
+  static const char* const slice_names[] = {"x", "start", "stop"};
+  static const char* const pick_names[] = {"x", "i"};
+  static const char* const label_names[] = {"x", "label"};
+  const char* const* names = nullptr;
+  std::size_t total = arity(rule->family), required = total;
+  switch (rule->family) {
+    case Family::lookup: names = lookup_names, total = 4, required = 2; break;
+    case Family::concat: names = concat_names, total = 2, required = 1; break;
+    case Family::slice: names = slice_names, total = 3, required = 3; break;
+    case Family::pick: names = pick_names, total = 2, required = 2; break;
+    case Family::pick_nls: names = label_names, total = 2, required = 2; break;
+    default: break;
+  }
+  PyObject* full[4] = {nullptr, nullptr, Py_None, Py_None};
+  static PyObject* zero = PyLong_FromLong(0);
+  if (rule->family == Family::concat) full[1] = zero;
+  if (static_cast<std::size_t>(nargs) > total) {
+    PyErr_Format(PyExc_TypeError, "%s() takes %zu arguments (%zd given)", rule->cname, total,
+                 nargs);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < nargs; ++i) full[i] = args[i];
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    const char* kw = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+    std::size_t at = total;
+    for (std::size_t i = 0; names && kw && i < total; ++i)
+      if (std::strcmp(kw, names[i]) == 0) at = i;
+    if (at == total) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%s'", rule->cname,
+                   kw ? kw : "?");
+      return nullptr;
+    }
+    full[at] = args[nargs + k];
+  }
+  for (std::size_t i = 0; i < required; ++i)
+    if (!full[i]) {
+      PyErr_Format(PyExc_TypeError, "%s() missing required argument %zu", rule->cname, i + 1);
+      return nullptr;
+    }
+  const std::size_t operands = rule->family == Family::lookup ? 0 : arity(rule->family);
+  return call_rule(rule, full, total, full + operands);
+}
+
+bool family_of(const char* name, Family* out) {
+  static const std::pair<const char*, Family> families[] = {
+      {"unary", Family::unary},   {"vector", Family::vector}, {"reduce", Family::reduce},
+      {"binary", Family::binary}, {"matmul", Family::matmul}, {"affine", Family::affine},
+      {"list", Family::list},     {"concat", Family::concat}, {"pick", Family::pick},
+      {"pick_nls", Family::pick_nls}, {"slice", Family::slice}, {"lookup", Family::lookup}};
+  for (const auto& [n, f] : families)
+    if (std::strcmp(n, name) == 0) return *out = f, true;
+  return false;
+}
+
+PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"op", "positional", "doc", nullptr};
+  PyObject *op, *alt = Py_None, *doc = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:Rule", const_cast<char**>(names), &op, &alt,
+                                   &doc))
+    return nullptr;
+  PyObject* family_name = PyObject_GetAttrString(op, "rule");
+  PyObject* name = family_name ? PyObject_GetAttrString(op, "name") : nullptr;
+  PyObject* ragged = name ? PyObject_GetAttrString(op, "ragged") : nullptr;
+  Family family;
+  const char* fname =
+      family_name && PyUnicode_Check(family_name) ? PyUnicode_AsUTF8(family_name) : nullptr;
+  const bool ok = ragged && PyUnicode_Check(name) && fname && family_of(fname, &family);
+  Py_XDECREF(family_name);
+  if (!ok) {
+    Py_XDECREF(name);
+    Py_XDECREF(ragged);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Rule: op.rule names no rule family");
+    return nullptr;
+  }
+  Rule* rule = reinterpret_cast<Rule*>(type->tp_alloc(type, 0));
+  if (!rule) {
+    Py_DECREF(name);
+    Py_DECREF(ragged);
+    return nullptr;
+  }
+  rule->call = rule_vectorcall;
+  rule->family = family;
+  rule->op = Py_NewRef(op);
+  rule->alt_op = Py_NewRef(alt == Py_None ? op : alt);
+  rule->code = op_code(op);
+  rule->alt = op_code(rule->alt_op);
+  rule->name = name;
+  rule->doc = Py_NewRef(doc);
+  rule->cname = PyUnicode_AsUTF8(name);
+  rule->ragged = PyObject_IsTrue(ragged) == 1;
+  Py_DECREF(ragged);
+  return reinterpret_cast<PyObject*>(rule);
+}
+
+void rule_dealloc(PyObject* self) {
+  Rule* rule = reinterpret_cast<Rule*>(self);
+  Py_XDECREF(rule->op);
+  Py_XDECREF(rule->alt_op);
+  Py_XDECREF(rule->name);
+  Py_XDECREF(rule->doc);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* rule_repr(PyObject* self) {
+  return PyUnicode_FromFormat("<flybatch op %U>", reinterpret_cast<Rule*>(self)->name);
+}
+
+PyMemberDef kRuleMembers[] = {
+    {"op", T_OBJECT_EX, offsetof(Rule, op), READONLY, "the Op row of ops.py"},
+    {"__name__", T_OBJECT_EX, offsetof(Rule, name), READONLY, nullptr},
+    {"__doc__", T_OBJECT, offsetof(Rule, doc), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyTypeObject RuleType = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;
+  t.tp_name = "flybatch._core.Rule";
+  t.tp_basicsize = sizeof(Rule);
+  t.tp_dealloc = rule_dealloc;
+  t.tp_vectorcall_offset = offsetof(Rule, call);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_repr = rule_repr;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_doc = "Rule(op, positional=None, doc=None): calling it creates a node of `op` (an Op\n"
+             "whose `rule` names a family of rules.cpp); `positional`: concat's op for shapes\n"
+             "that cannot be stacked.";
+  t.tp_members = kRuleMembers;
+  t.tp_new = rule_new;
+  return t;
+}();
+
+// ---- the Expression operators ------------------------------------------------------------------
+PyObject* operator_rule(Operator which, PyObject* a, PyObject* b) {
+  PyObject* rule = g_rules[which];
+  if (!rule) Py_RETURN_NOTIMPLEMENTED;
+  PyObject* operands[2] = {a, b};
+  return call_rule(reinterpret_cast<Rule*>(rule), operands, 2, nullptr);
+}
+
+PyObject* expr_add(PyObject* a, PyObject* b) { return operator_rule(kAdd, a, b); }
+PyObject* expr_sub(PyObject* a, PyObject* b) { return operator_rule(kSub, a, b); }
+PyObject* expr_mul(PyObject* a, PyObject* b) { return operator_rule(kMul, a, b); }
+PyObject* expr_div(PyObject* a, PyObject* b) { return operator_rule(kDiv, a, b); }
+PyObject* expr_matmul(PyObject* a, PyObject* b) { return operator_rule(kMatmul, a, b); }
+PyObject* expr_neg(PyObject* a) { return operator_rule(kNeg, a, nullptr); }
+
+// x[i] picks, x[a:b] slices (no step); anything else is an IndexError.
+PyObject* expr_getitem(PyObject* x, PyObject* index) {
+  if (PySlice_Check(index)) {
+    PySliceObject* s = reinterpret_cast<PySliceObject*>(index);
+    if (s->step != Py_None) {
+      PyObject* one = PyLong_FromLong(1);
+      const int is_one = one ? PyObject_RichCompareBool(s->step, one, Py_EQ) : -1;
+      Py_XDECREF(one);
+      if (is_one < 0) return nullptr;
+      if (!is_one) {
+        PyErr_SetString(PyExc_IndexError, "slicing with a step is not supported");
+        return nullptr;
+      }
+    }
+    Expression* e = as_expression(x);
+    std::size_t nd;
+    const i64* d = shape_dims(e->graph, e->graph->nodes->shape[e->id], &nd);
+    PyObject* start = s->start == Py_None ? PyLong_FromLong(0) : Py_NewRef(s->start);
+    PyObject* stop = s->stop == Py_None ? PyLong_FromLongLong(nd ? d[0] : 0) : Py_NewRef(s->stop);
+    PyObject* out = nullptr;
+    if (start && stop) {
+      PyObject* argv[3] = {x, start, stop};
+      out = call_rule(reinterpret_cast<Rule*>(g_rules[kSlice]), argv, 3, argv + 1);
+    }
+    Py_XDECREF(start);
+    Py_XDECREF(stop);
+    return out;
+  }
+  // ints, numpy integers and bools (which pick rejects: x[True] is not x[1])
+  int is_index = PyIndex_Check(index);
+  if (!is_index) {
+    PyObject* types = PyObject_GetAttrString(g_ops_module, "_INDEX_TYPES");
+    is_index = types ? PyObject_IsInstance(index, types) : -1;
+    Py_XDECREF(types);
+    if (is_index < 0) return nullptr;
+  }
+  if (is_index) {
+    PyObject* argv[2] = {x, index};
+    return call_rule(reinterpret_cast<Rule*>(g_rules[kPick]), argv, 2, argv + 1);
+  }
+  PyErr_Format(PyExc_IndexError, "unsupported index %R: use an int or a slice", index);
+  return nullptr;
+}
+
+const char kOperatorsDoc[] =
+    "set_operators(add, sub, mul, div, matmul, neg, pick, slice)\n\n"
+    "The rules behind the Expression operators + - * / @, unary -, x[i] and x[a:b].";
+
+PyObject* set_operators(PyObject*, PyObject* args) {
+  PyObject* rules[8];
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!:set_operators", &RuleType, &rules[0], &RuleType,
+                        &rules[1], &RuleType, &rules[2], &RuleType, &rules[3], &RuleType, &rules[4],
+                        &RuleType, &rules[5], &RuleType, &rules[6], &RuleType, &rules[7]))
+    return nullptr;
+  PyObject* ops = PyImport_ImportModule("flybatch.ops");
+  if (!ops) return nullptr;
+  Py_XSETREF(g_ops_module, ops);
+  for (int i = 0; i < 8; ++i) Py_XSETREF(g_rules[i], Py_NewRef(rules[i]));
+  Py_RETURN_NONE;
+}
+
+// ---- fused-module nodes ------------------------------------------------------------------------
+const char kFusedDoc[] =
+    "fused(op, inputs, expect, tag, params, shape, attr) -> Expression\n\n"
+    "One node of a fused module's `op` (nn.FusedModule._fused): the nodes of `inputs`, whose\n"
+    "shapes must be `expect`, then the parameter nodes `params`; batched by the module's `tag`\n"
+    "and the input shapes.";
+
+PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 7) {
+    PyErr_SetString(PyExc_TypeError, "fused(op, inputs, expect, tag, params, shape, attr)");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject *op = argv[0], *expect = argv[2], *tag = argv[3], *attr = argv[6];
+    PyObject* inputs = PySequence_Fast(argv[1], "fused: inputs must be a sequence");
+    if (!inputs) throw PythonError{};
+    struct Release {
+      PyObject* o;
+      ~Release() { Py_XDECREF(o); }
+    } r1{inputs};
+    PyObject* params = PySequence_Fast(argv[4], "fused: params must be a sequence of nodes");
+    if (!params) throw PythonError{};
+    Release r2{params};
+    const std::size_t n = PySequence_Fast_GET_SIZE(inputs), np = PySequence_Fast_GET_SIZE(params);
+    GraphRef ref(graph_of(PySequence_Fast_ITEMS(inputs), n));
+    Store* g = ref.g;
+    std::vector<i64> args(n + np);
+    for (std::size_t i = 0; i < n; ++i) args[i] = node_of(g, PySequence_Fast_ITEMS(inputs)[i]);
+    PyObject* name = PyObject_GetAttrString(op, "name");
+    if (!name) throw PythonError{};
+    Release r3{name};
+    PyObject* shapes = shapes_tuple(g, args.data(), n);
+    Release r4{shapes};
+    const int equal = PyObject_RichCompareBool(shapes, expect, Py_EQ);
+    if (equal < 0) throw PythonError{};
+    if (!equal) {
+      for (std::size_t k = 0; k < n; ++k) {
+        PyObject* want = PySequence_GetItem(expect, static_cast<Py_ssize_t>(k));
+        if (!want) throw PythonError{};
+        const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shapes, k), want, Py_EQ);
+        if (same == 0)
+          PyErr_Format(g_shape_error, "%U: argument %zu has shape %R, expected %R", name, k,
+                       PyTuple_GET_ITEM(shapes, k), want);
+        Py_DECREF(want);
+        if (same <= 0) throw PythonError{};
+      }
+    }
+    for (std::size_t i = 0; i < np; ++i) {
+      const long long p = PyLong_AsLongLong(PySequence_Fast_ITEMS(params)[i]);
+      if (p == -1 && PyErr_Occurred()) throw PythonError{};
+      args[n + i] = p;
+    }
+    PyObject* shape = PySequence_Fast(argv[5], "fused: shape must be a tuple of ints");
+    if (!shape) throw PythonError{};
+    Release r5{shape};
+    std::vector<i64> dims(PySequence_Fast_GET_SIZE(shape));
+    for (std::size_t i = 0; i < dims.size(); ++i) {
+      dims[i] = PyLong_AsLongLong(PySequence_Fast_ITEMS(shape)[i]);
+      if (dims[i] == -1 && PyErr_Occurred()) throw PythonError{};
+    }
+    const bool no_grad = !grad_enabled();
+    PyObject* key = Py_BuildValue("(OOOO)", name, tag, shapes, attr);
+    if (!key) throw PythonError{};
+    Release r6{key};
+    if (no_grad) {
+      key = Py_BuildValue("(sO)", "no_grad", key);
+      if (!key) throw PythonError{};
+    }
+    Release r7{no_grad ? key : nullptr};
+    const i64 sig = python_sig(g, key);
+    check_open(g);
+    return append(g, op_code(op), args.data(), args.size(),
+                  intern_shape(g, dims.data(), dims.size()), sig, attr, no_grad);
+  });
+}
+
+PyMethodDef kRuleFunctions[] = {
+    {"set_operators", set_operators, METH_VARARGS, kOperatorsDoc},
+    {"fused", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fused)), METH_FASTCALL,
+     kFusedDoc},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+PyNumberMethods expression_number = [] {
+  PyNumberMethods m{};
+  m.nb_add = expr_add;
+  m.nb_subtract = expr_sub;
+  m.nb_multiply = expr_mul;
+  m.nb_true_divide = expr_div;
+  m.nb_matrix_multiply = expr_matmul;
+  m.nb_negative = expr_neg;
+  return m;
+}();
+
+PyMappingMethods expression_mapping = [] {
+  PyMappingMethods m{};
+  m.mp_subscript = expr_getitem;
+  return m;
+}();
+
+bool register_rules(PyObject* module) {
+  s_operand = PyUnicode_InternFromString("_operand");
+  s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
+  return s_operand && s_lookup_tag && PyType_Ready(&RuleType) == 0 &&
+         PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
+         PyModule_AddFunctions(module, kRuleFunctions) == 0;
+}
+
+}  // namespace flybatch
