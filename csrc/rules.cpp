@@ -59,6 +59,7 @@ namespace {
 
 PyObject* s_operand = nullptr;  // "_operand"
 PyObject* s_lookup_tag = nullptr;
+PyObject* s_requires_grad = nullptr;
 PyObject* g_ops_module = nullptr;  // flybatch.ops, for _embedding_args and _integer
 PyObject* g_rules[8] = {};          // the operator rules: + - * / @ neg pick slice
 
@@ -149,6 +150,14 @@ i64 node_of(Store* g, PyObject* x) {
                            "(create them in the current graph)", x);
     raise(g_graph_error, "%R belongs to another graph; one op cannot mix two graphs", x);
   }
+  const auto parameter = g->parameters->find(x);
+  if (parameter != g->parameters->end()) {
+    // Still a parameter? (requires_grad may have been switched off since: then an input.)
+    PyObject* grad = PyObject_GetAttr(x, s_requires_grad);
+    if (!grad) throw PythonError{};
+    Py_DECREF(grad);
+    if (grad == Py_True) return parameter->second;
+  }
   std::uint64_t bits = 0;
   const bool number = PyFloat_CheckExact(x);
   if (number) {  // the constant of these bits, if this graph has made it already
@@ -163,6 +172,9 @@ i64 node_of(Store* g, PyObject* x) {
   Py_DECREF(node);
   if (id == -1 && PyErr_Occurred()) throw PythonError{};
   if (number) g->scalars->emplace(bits, id);
+  // A parameter's node (its attr is the tensor itself, held by the graph until close): the
+  // next use of the tensor skips the callback.
+  if (g->param_tags->count(id) && (*g->attrs)[id] == x) g->parameters->emplace(x, id);
   return id;
 }
 
@@ -908,7 +920,8 @@ PyMappingMethods expression_mapping = [] {
 bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
-  return s_operand && s_lookup_tag && PyType_Ready(&RuleType) == 0 &&
+  s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  return s_operand && s_lookup_tag && s_requires_grad && PyType_Ready(&RuleType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }

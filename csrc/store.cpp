@@ -276,6 +276,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->param_tags = new std::unordered_map<i64, PyObject*>();
     s->scalars = new std::unordered_map<std::uint64_t, i64>();
     s->table_tags = new std::unordered_map<PyObject*, PyObject*>();
+    s->parameters = new std::unordered_map<PyObject*, i64>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -310,6 +311,7 @@ void clear_caches(Store* s) {
     for (auto& [table, tag] : tags) Py_DECREF(tag);
   }
   if (s->scalars) s->scalars->clear();
+  if (s->parameters) s->parameters->clear();
 }
 
 int store_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -347,6 +349,7 @@ void store_dealloc(PyObject* self) {
   delete s->param_tags;
   delete s->scalars;
   delete s->table_tags;
+  delete s->parameters;
   Py_TYPE(self)->tp_free(self);
 }
 

@@ -119,6 +119,7 @@ struct Store {
   std::unordered_map<i64, PyObject*>* param_tags;        // parameter node -> ("P", k)
   std::unordered_map<std::uint64_t, i64>* scalars;       // bits of a float -> constant node
   std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
+  std::unordered_map<PyObject*, i64>* parameters;        // parameter tensor -> its node
   PyObject* mirrors[5];              // lists kept for readers of Python lists (Store.column)
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
