@@ -820,11 +820,79 @@ PyObject* set_operators(PyObject*, PyObject* args) {
 }
 
 // ---- fused-module nodes ------------------------------------------------------------------------
+struct Release {  // drops a reference at the end of a scope
+  PyObject* o;
+  ~Release() { Py_XDECREF(o); }
+};
+
+// One node of a fused module's `op` (named `name`): inputs args[0..n), whose shapes must be
+// `expect`, then parameter nodes args[n..total); batched by the module's `tag` (("P", k)), the
+// input shapes and `attr`.
+PyObject* fused_node(Store* g, PyObject* op, PyObject* name, const i64* args, std::size_t n,
+                     std::size_t total, PyObject* expect, PyObject* tag, const i64* dims,
+                     std::size_t nd, PyObject* attr) {
+  PyObject* shapes = shapes_tuple(g, args, n);
+  Release r1{shapes};
+  const int equal = PyObject_RichCompareBool(shapes, expect, Py_EQ);
+  if (equal < 0) throw PythonError{};
+  for (std::size_t k = 0; !equal && k < n; ++k) {
+    PyObject* want = PySequence_GetItem(expect, static_cast<Py_ssize_t>(k));
+    if (!want) throw PythonError{};
+    Release r2{want};
+    const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shapes, k), want, Py_EQ);
+    if (same == 0)
+      PyErr_Format(g_shape_error, "%U: argument %zu has shape %R, expected %R", name, k,
+                   PyTuple_GET_ITEM(shapes, k), want);
+    if (same <= 0) throw PythonError{};
+  }
+  const bool no_grad = !grad_enabled();
+  auto python_key = [&] { return Py_BuildValue("(OOOO)", name, tag, shapes, attr); };
+  i64 sig;
+  if (attr == Py_None || PyLong_CheckExact(attr)) {  // the usual attrs, as ints
+    Key key;
+    key.push(op_code(op));
+    key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
+    key.push(attr == Py_None ? -1 : PyLong_AsLongLong(attr));  // arities are >= 0
+    for (std::size_t i = 0; i < n; ++i) key.push(g->nodes->shape[args[i]]);
+    key.push(no_grad);
+    if (PyErr_Occurred()) throw PythonError{};
+    sig = signature(g, key, no_grad, [&] {
+      PyObject* k = python_key();
+      if (!k) throw PythonError{};
+      return k;
+    });
+  } else {
+    PyObject* key = python_key();
+    if (!key) throw PythonError{};
+    Release r3{key};
+    if (no_grad) {
+      key = Py_BuildValue("(sO)", "no_grad", key);
+      if (!key) throw PythonError{};
+    }
+    Release r4{no_grad ? key : nullptr};
+    sig = python_sig(g, key);
+  }
+  check_open(g);
+  return append(g, op_code(op), args, total, intern_shape(g, dims, nd), sig, attr, no_grad);
+}
+
+std::vector<i64> int_list(PyObject* seq, const char* what) {
+  PyObject* fast = PySequence_Fast(seq, what);
+  if (!fast) throw PythonError{};
+  Release r{fast};
+  std::vector<i64> out(PySequence_Fast_GET_SIZE(fast));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_ITEMS(fast)[i]);
+    if (out[i] == -1 && PyErr_Occurred()) throw PythonError{};
+  }
+  return out;
+}
+
 const char kFusedDoc[] =
     "fused(op, inputs, expect, tag, params, shape, attr) -> Expression\n\n"
     "One node of a fused module's `op` (nn.FusedModule._fused): the nodes of `inputs`, whose\n"
     "shapes must be `expect`, then the parameter nodes `params`; batched by the module's `tag`\n"
-    "and the input shapes.";
+    "(its signatures.tag), the input shapes and `attr`.";
 
 PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 7) {
@@ -832,66 +900,85 @@ PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     return nullptr;
   }
   return guarded([&]() -> PyObject* {
-    PyObject *op = argv[0], *expect = argv[2], *tag = argv[3], *attr = argv[6];
     PyObject* inputs = PySequence_Fast(argv[1], "fused: inputs must be a sequence");
     if (!inputs) throw PythonError{};
-    struct Release {
-      PyObject* o;
-      ~Release() { Py_XDECREF(o); }
-    } r1{inputs};
-    PyObject* params = PySequence_Fast(argv[4], "fused: params must be a sequence of nodes");
-    if (!params) throw PythonError{};
-    Release r2{params};
-    const std::size_t n = PySequence_Fast_GET_SIZE(inputs), np = PySequence_Fast_GET_SIZE(params);
+    Release r1{inputs};
+    const std::size_t n = PySequence_Fast_GET_SIZE(inputs);
     GraphRef ref(graph_of(PySequence_Fast_ITEMS(inputs), n));
-    Store* g = ref.g;
-    std::vector<i64> args(n + np);
-    for (std::size_t i = 0; i < n; ++i) args[i] = node_of(g, PySequence_Fast_ITEMS(inputs)[i]);
+    std::vector<i64> args(n);
+    for (std::size_t i = 0; i < n; ++i) args[i] = node_of(ref.g, PySequence_Fast_ITEMS(inputs)[i]);
+    const std::vector<i64> params = int_list(argv[4], "fused: params must be node ids");
+    args.insert(args.end(), params.begin(), params.end());
+    const std::vector<i64> dims = int_list(argv[5], "fused: shape must be a tuple of ints");
+    PyObject* name = PyObject_GetAttrString(argv[0], "name");
+    if (!name) throw PythonError{};
+    Release r2{name};
+    return fused_node(ref.g, argv[0], name, args.data(), n, args.size(), argv[2], argv[3],
+                      dims.data(), dims.size(), argv[6]);
+  });
+}
+
+const char kLstmDoc[] =
+    "lstm_sequence(op, affine, xs, weight_ih, bias, hc, tag, weight_hh, hidden)\n"
+    "    -> (list of h, last [h; c])\n\n"
+    "An LSTM cell (nn.LSTMCell) over the inputs `xs` in one call: per step the input projection\n"
+    "`affine(weight_ih, x, bias)`, the fused cell `op` over it and the state `hc` (node of\n"
+    "[h; c], then each step's), batched by the cell's `tag` with its parameter node\n"
+    "`weight_hh`, and the slice h of the new state: the nodes T separate cell calls make.";
+
+PyObject* lstm_sequence(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 9 || !PyObject_TypeCheck(argv[1], &RuleType) || !is_expression(argv[5])) {
+    PyErr_SetString(PyExc_TypeError, "lstm_sequence(op, affine, xs, weight_ih, bias, hc, tag, "
+                                     "weight_hh, hidden): affine a Rule, hc an Expression");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    PyObject *op = argv[0], *tag = argv[6];
+    Rule* affine = reinterpret_cast<Rule*>(argv[1]);
+    PyObject* xs = PySequence_Fast(argv[2], "lstm_sequence: xs must be a sequence");
+    if (!xs) throw PythonError{};
+    Release r1{xs};
+    const i64 w_hh = PyLong_AsLongLong(argv[7]), H = PyLong_AsLongLong(argv[8]);
+    if (PyErr_Occurred()) throw PythonError{};
     PyObject* name = PyObject_GetAttrString(op, "name");
     if (!name) throw PythonError{};
-    Release r3{name};
-    PyObject* shapes = shapes_tuple(g, args.data(), n);
-    Release r4{shapes};
-    const int equal = PyObject_RichCompareBool(shapes, expect, Py_EQ);
-    if (equal < 0) throw PythonError{};
-    if (!equal) {
-      for (std::size_t k = 0; k < n; ++k) {
-        PyObject* want = PySequence_GetItem(expect, static_cast<Py_ssize_t>(k));
-        if (!want) throw PythonError{};
-        const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shapes, k), want, Py_EQ);
-        if (same == 0)
-          PyErr_Format(g_shape_error, "%U: argument %zu has shape %R, expected %R", name, k,
-                       PyTuple_GET_ITEM(shapes, k), want);
-        Py_DECREF(want);
-        if (same <= 0) throw PythonError{};
-      }
+    Release r2{name};
+    PyObject* expect = Py_BuildValue("((L)(L))", static_cast<long long>(4 * H),
+                                     static_cast<long long>(2 * H));
+    if (!expect) throw PythonError{};
+    Release r3{expect};
+    PyObject* begin = PyLong_FromLong(0);
+    Release r4{begin};
+    PyObject* end = PyLong_FromLongLong(H);
+    Release r5{end};
+    if (!begin || !end) throw PythonError{};
+    const Py_ssize_t T = PySequence_Fast_GET_SIZE(xs);
+    PyObject* hs = PyList_New(T);
+    if (!hs) throw PythonError{};
+    Release r6{hs};
+    PyObject* hc = Py_NewRef(argv[5]);
+    Release last{nullptr};
+    const i64 two_h = 2 * H;
+    for (Py_ssize_t t = 0; t < T; ++t) {
+      last.o = hc;
+      PyObject* step[3] = {argv[3], PySequence_Fast_ITEMS(xs)[t], argv[4]};
+      PyObject* projected = call_rule(affine, step, 3, nullptr);
+      if (!projected) throw PythonError{};
+      Release r7{projected};
+      Expression* p = as_expression(projected);
+      Store* g = p->graph;
+      if (as_expression(hc)->graph != g) node_of(g, hc);  // raises: another graph
+      const i64 args[3] = {p->id, as_expression(hc)->id, w_hh};
+      hc = fused_node(g, op, name, args, 2, 3, expect, tag, &two_h, 1, Py_None);
+      Py_DECREF(last.o);
+      last.o = hc;
+      PyObject* slice[3] = {hc, begin, end};
+      PyObject* h = call_rule(reinterpret_cast<Rule*>(g_rules[kSlice]), slice, 3, slice + 1);
+      if (!h) throw PythonError{};
+      PyList_SET_ITEM(hs, t, h);
     }
-    for (std::size_t i = 0; i < np; ++i) {
-      const long long p = PyLong_AsLongLong(PySequence_Fast_ITEMS(params)[i]);
-      if (p == -1 && PyErr_Occurred()) throw PythonError{};
-      args[n + i] = p;
-    }
-    PyObject* shape = PySequence_Fast(argv[5], "fused: shape must be a tuple of ints");
-    if (!shape) throw PythonError{};
-    Release r5{shape};
-    std::vector<i64> dims(PySequence_Fast_GET_SIZE(shape));
-    for (std::size_t i = 0; i < dims.size(); ++i) {
-      dims[i] = PyLong_AsLongLong(PySequence_Fast_ITEMS(shape)[i]);
-      if (dims[i] == -1 && PyErr_Occurred()) throw PythonError{};
-    }
-    const bool no_grad = !grad_enabled();
-    PyObject* key = Py_BuildValue("(OOOO)", name, tag, shapes, attr);
-    if (!key) throw PythonError{};
-    Release r6{key};
-    if (no_grad) {
-      key = Py_BuildValue("(sO)", "no_grad", key);
-      if (!key) throw PythonError{};
-    }
-    Release r7{no_grad ? key : nullptr};
-    const i64 sig = python_sig(g, key);
-    check_open(g);
-    return append(g, op_code(op), args.data(), args.size(),
-                  intern_shape(g, dims.data(), dims.size()), sig, attr, no_grad);
+    last.o = nullptr;
+    return Py_BuildValue("(ON)", hs, hc);
   });
 }
 
@@ -899,6 +986,8 @@ PyMethodDef kRuleFunctions[] = {
     {"set_operators", set_operators, METH_VARARGS, kOperatorsDoc},
     {"fused", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fused)), METH_FASTCALL,
      kFusedDoc},
+    {"lstm_sequence", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lstm_sequence)),
+     METH_FASTCALL, kLstmDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -222,11 +222,17 @@ class LSTM(nn.Module):
 
     @staticmethod
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
-        state, out = None, []
-        for x in xs:
-            state = cell(x, state)
-            out.append(state.h)
-        return out
+        """The `h` of each step of `cell` over `xs` from a zero state: the nodes of calling the
+        cell step by step, made by one call of the compiled core."""
+        xs = list(xs)
+        if not xs:
+            return []
+        g = ops.graph_of(*xs)
+        _, tag, table = cell._in_graph(g)
+        H = cell.hidden_size
+        hs, _ = _core.lstm_sequence(LSTM_CELL, ops.affine, xs, cell.weight_ih, cell.bias,
+                                    ops.zeros(2 * H, graph=g), tag, table["weight_hh"], H)
+        return hs
 
     def forward(self, xs: Sequence[Operand]) -> list[Expression]:
         xs = list(xs)
