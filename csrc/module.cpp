@@ -250,24 +250,27 @@ PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
 }
 
 const char kLowerBoundDoc[] =
-    "lower_bound(n, sigs, arg_end, arg_flat, ops, forward_ends) -> int\n\n"
+    "lower_bound(n, sigs, arg_end, arg_flat, ops, forward_ends, tight=False) -> int\n\n"
     "Launches no schedule of the store's first n nodes can beat: in each forward (forward_ends:\n"
     "where each ended; nodes after the last are one more), for each signature the most nodes of\n"
-    "it on one dependency path, summed.";
+    "it on one dependency path, summed. With tight, that plus what pairs of signatures that\n"
+    "interleave differently on different paths must add (csrc/schedule.cpp, tight_bound_of).";
 
 PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n", "sigs", "arg_end", "arg_flat", "ops", "forward_ends", nullptr};
+  static const char* names[] = {"n",   "sigs",         "arg_end", "arg_flat",
+                                "ops", "forward_ends", "tight",   nullptr};
   long long n;
   PyObject *sigs, *arg_end, *arg_flat, *ops, *forward_ends;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOO:lower_bound", const_cast<char**>(names),
-                                   &n, &sigs, &arg_end, &arg_flat, &ops, &forward_ends))
+  int tight = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOO|p:lower_bound", const_cast<char**>(names),
+                                   &n, &sigs, &arg_end, &arg_flat, &ops, &forward_ends, &tight))
     return nullptr;
   return guarded([&]() -> PyObject* {
     const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
     const std::vector<i64> cuts = forward_cuts(forward_ends, n);
     OpTable table(ops);
-    return PyLong_FromLongLong(
-        flybatch::lower_bound(store.nodes, cuts, [&](i64 node) { return table(node); }));
+    const auto bound = tight ? flybatch::tight_bound : flybatch::lower_bound;
+    return PyLong_FromLongLong(bound(store.nodes, cuts, [&](i64 node) { return table(node); }));
   });
 }
 

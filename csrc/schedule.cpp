@@ -8,6 +8,7 @@
 #include <queue>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace flybatch {
@@ -572,6 +573,208 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
   return best;
 }
 
+// Nodes begin..end-1 of `all` (one forward) as a Nodes of their own: inputs from earlier
+// forwards fall below its start and are left out, as computed values.
+Nodes one_forward(const Nodes& all, i64 begin, i64 end) {
+  Nodes part = all;
+  part.start = all.start + begin;
+  part.n = static_cast<Local>(end - begin);
+  part.sig += begin;
+  part.arg_ptr += begin;
+  return part;
+}
+
+// ---- the tight bound: signatures whose order differs from path to path -------------------------
+//
+// A schedule is a sequence of launches, each of one signature. Its signatures, read in launch
+// order, form a word Z, and for every path of the forward the signatures of its non-leaf nodes,
+// in path order, form a subsequence of Z (each node runs in a later launch than its inputs).
+// For a set B of signatures, Z restricted to B is a supersequence of every path's word
+// restricted to B, and restrictions to disjoint sets are disjoint parts of Z: so the launches
+// are at least the sum, over the blocks of any partition of the signatures, of a lower bound
+// on the shortest common supersequence of the paths' words restricted to the block. A block of
+// one signature s gives A_s, the most s-nodes on one path: `lower_bound`. The tight bound uses
+// blocks of two: a matching of signatures, each pair (s, t) adding what its bound has over
+// A_s + A_t.
+//
+// The pair bound. Let Z (now a word over {s, t}) hold a s's and b t's, and c(k) be the number
+// of t's after its k-th s, non-increasing in k. Take an s-node v; on a path ending at v with
+// the most s's, v is the f(v)-th s, and that path continued by a path from v with the most
+// t's (a path still) has tafter(v) t's after v. Z places that path's s's at increasing s's of
+// Z, v at its k-th s for some k >= f(v), and the t's after v at t's after that one:
+//   (1) c(f(v)) >= c(k) >= tafter(v),
+// hence c(k) >= H(k) = max{tafter(v) : f(v) >= k} for every k. Likewise, on a path from v with
+// the most s's, v is the g(v)-th s from the end, and with the most t's before v, tbefore(v)
+// t's precede it; Z places v at its k-th s with k <= a - g(v) + 1, after at least tbefore(v)
+// t's: b - c(k) >= tbefore(v), so
+//   (2) c(k) <= b - G(a - k + 1) for every k, G(i) = max{tbefore(v) : g(v) >= i} (0 if none).
+// Such a c exists (c = H, both sides non-increasing) iff H(k) + G(a - k + 1) <= b for k in
+// 1..A_s, and a >= A_s, b >= A_t. So |Z| >= the least a + b meeting these; the same with s and
+// t swapped is a bound too, and the pair takes the larger. Example: paths tanh-sigmoid and
+// sigmoid-tanh have A = 1 each, but H(1) = G(1) = 1 makes a = b = 1 infeasible: 3, not 2.
+//
+// Cost: per pair, two passes over the forward's nodes and edges and a scan over a from A_s up
+// while a + A_t can still beat the best (at a = 2 A_s, G vanishes and b = A_t is feasible).
+// Only pairs that can gain are tried (interleaving_candidates), and no more than kPairWork
+// node and edge visits' worth of them per forward: leaving pairs out keeps the bound valid.
+constexpr i64 kPairWork = i64{1} << 26;
+
+// Per node: the most s-nodes and t-nodes on a path ending at it (fs, ft) and on a path starting
+// at it (bs, bt), each counting the node itself.
+struct PairCounts {
+  std::vector<std::int32_t> fs, ft, bs, bt;
+
+  void count(const Nodes& nodes, const std::vector<std::int32_t>& of, std::int32_t s,
+             std::int32_t t) {
+    const Local n = nodes.n;
+    fs.assign(n, 0), ft.assign(n, 0), bs.assign(n, 0), bt.assign(n, 0);
+    for (Local v = 0; v < n; ++v) {
+      for_each_input(nodes, v, [&](Local u) {
+        fs[v] = std::max(fs[v], fs[u]);
+        ft[v] = std::max(ft[v], ft[u]);
+      });
+      fs[v] += of[v] == s;
+      ft[v] += of[v] == t;
+    }
+    for (Local v = n - 1; v >= 0; --v) {  // consumers come later: bs[v] holds their maximum
+      bs[v] += of[v] == s;
+      bt[v] += of[v] == t;
+      for_each_input(nodes, v, [&](Local u) {
+        bs[u] = std::max(bs[u], bs[v]);
+        bt[u] = std::max(bt[u], bt[v]);
+      });
+    }
+  }
+};
+
+// The least a + b for which the conditions above hold, counting Z's t's around its s's.
+// fs/bs: s counts (f, g), ft/bt: t counts (tbefore = ft, tafter = bt at an s-node).
+i64 pair_side(const std::vector<std::int32_t>& of, std::int32_t s, std::int32_t a_s,
+              std::int32_t a_t, const std::vector<std::int32_t>& fs,
+              const std::vector<std::int32_t>& bs, const std::vector<std::int32_t>& ft,
+              const std::vector<std::int32_t>& bt) {
+  std::vector<std::int32_t> h(a_s + 2, 0), g(a_s + 2, 0);  // indices 1..a_s; a_s + 1 is 0
+  for (std::size_t v = 0; v < of.size(); ++v)
+    if (of[v] == s) {
+      h[fs[v]] = std::max(h[fs[v]], bt[v]);
+      g[bs[v]] = std::max(g[bs[v]], ft[v]);
+    }
+  for (std::int32_t k = a_s - 1; k >= 1; --k) {
+    h[k] = std::max(h[k], h[k + 1]);
+    g[k] = std::max(g[k], g[k + 1]);
+  }
+  i64 best = INT64_MAX;
+  for (i64 a = a_s; a + a_t < best; ++a) {
+    i64 b = a_t;
+    for (i64 k = std::max<i64>(1, a - a_s + 1); k <= a_s; ++k) b = std::max<i64>(b, h[k] + g[a - k + 1]);
+    best = std::min(best, a + b);
+  }
+  return best;
+}
+
+// The pairs that may gain: s and t in one strongly connected component of the signature graph
+// (an edge s -> t where an s-node feeds a t-node, leaves left out), since a pair gains only if
+// some path holds s before t and another t before s. Pairs with direct edges both ways come
+// first, the usual interleaving; then the rest of each component.
+std::vector<std::pair<std::int32_t, std::int32_t>> interleaving_candidates(
+    const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags) {
+  const auto n_sigs = static_cast<i64>(sigs.count());
+  std::vector<i64> out, in;  // edges as s * n_sigs + t, and reversed
+  for (Local v = 0; v < nodes.n; ++v)
+    for_each_input(nodes, v, [&](Local u) {
+      const std::int32_t s = sigs.of[u], t = sigs.of[v];
+      if (s == t || flags[s].leaf || flags[t].leaf) return;
+      out.push_back(s * n_sigs + t);
+      in.push_back(t * n_sigs + s);
+    });
+  for (std::vector<i64>* edges : {&out, &in}) {
+    std::sort(edges->begin(), edges->end());
+    edges->erase(std::unique(edges->begin(), edges->end()), edges->end());
+  }
+  // Kosaraju, iteratively: post-order along `out`, then components along `in` in reverse.
+  auto first_edge = [&](const std::vector<i64>& edges, i64 s) {
+    return static_cast<std::size_t>(std::lower_bound(edges.begin(), edges.end(), s * n_sigs) -
+                                    edges.begin());
+  };
+  std::vector<std::int32_t> post, component(n_sigs, -1);
+  std::vector<bool> seen(n_sigs, false);
+  std::vector<std::pair<i64, std::size_t>> stack;  // (signature, next edge)
+  for (i64 root = 0; root < n_sigs; ++root) {
+    if (seen[root]) continue;
+    seen[root] = true;
+    stack.emplace_back(root, first_edge(out, root));
+    while (!stack.empty()) {
+      auto& [s, e] = stack.back();
+      if (e < out.size() && out[e] / n_sigs == s) {
+        const i64 t = out[e++] % n_sigs;
+        if (!seen[t]) {
+          seen[t] = true;
+          stack.emplace_back(t, first_edge(out, t));
+        }
+      } else {
+        post.push_back(static_cast<std::int32_t>(s));
+        stack.pop_back();
+      }
+    }
+  }
+  std::vector<std::vector<std::int32_t>> members;
+  for (auto root = post.rbegin(); root != post.rend(); ++root) {
+    if (component[*root] >= 0) continue;
+    const auto id = static_cast<std::int32_t>(members.size());
+    members.push_back({*root});
+    component[*root] = id;
+    for (std::size_t i = 0; i < members[id].size(); ++i)
+      for (std::size_t e = first_edge(in, members[id][i]);
+           e < in.size() && in[e] / n_sigs == members[id][i]; ++e)
+        if (component[in[e] % n_sigs] < 0) {
+          component[in[e] % n_sigs] = id;
+          members[id].push_back(static_cast<std::int32_t>(in[e] % n_sigs));
+        }
+  }
+  std::vector<std::pair<std::int32_t, std::int32_t>> direct, rest;
+  for (const auto& group : members)
+    for (std::size_t i = 0; i < group.size(); ++i)
+      for (std::size_t j = i + 1; j < group.size(); ++j) {
+        const std::int32_t s = std::min(group[i], group[j]), t = std::max(group[i], group[j]);
+        const bool both = std::binary_search(out.begin(), out.end(), s * n_sigs + t) &&
+                          std::binary_search(in.begin(), in.end(), s * n_sigs + t);
+        (both ? direct : rest).emplace_back(s, t);
+      }
+  direct.insert(direct.end(), rest.begin(), rest.end());
+  return direct;
+}
+
+// The forward's sum of A_s plus, over a greedy matching of the pairs by gain, each pair's gain.
+i64 tight_bound_of(const Nodes& nodes, const OpFlagsOf& flags_of) {
+  const Signatures sigs = compact_signatures(nodes);
+  const std::vector<OpFlags> flags = signature_flags(nodes, sigs, flags_of);
+  const std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
+  const auto n_sigs = static_cast<i64>(sigs.count());
+  std::vector<std::int32_t> most(n_sigs, 0);
+  for (Local v = 0; v < nodes.n; ++v) most[sigs.of[v]] = std::max(most[sigs.of[v]], rank[v]);
+  i64 bound = std::accumulate(most.begin(), most.end(), i64{0});
+  std::vector<std::tuple<i64, std::int32_t, std::int32_t>> gains;  // (gain, s, t)
+  PairCounts c;
+  i64 work = 0;
+  for (const auto& [s, t] : interleaving_candidates(nodes, sigs, flags)) {
+    if (work > kPairWork) break;
+    work += nodes.n + nodes.arg_ptr[nodes.n] - nodes.arg_ptr[0];
+    c.count(nodes, sigs.of, s, t);
+    const i64 pair = std::max(pair_side(sigs.of, s, most[s], most[t], c.fs, c.bs, c.ft, c.bt),
+                              pair_side(sigs.of, t, most[t], most[s], c.ft, c.bt, c.fs, c.bs));
+    if (pair > most[s] + most[t]) gains.emplace_back(pair - most[s] - most[t], s, t);
+  }
+  // Any matching keeps the bound valid; taking the largest gains first is a good one.
+  std::sort(gains.rbegin(), gains.rend());
+  std::vector<bool> matched(n_sigs, false);
+  for (const auto& [gain, s, t] : gains)
+    if (!matched[s] && !matched[t]) {
+      matched[s] = matched[t] = true;
+      bound += gain;
+    }
+  return bound;
+}
+
 }  // namespace
 
 void check_nodes(const Nodes& nodes) {
@@ -620,17 +823,23 @@ std::vector<std::int32_t> signature_ranks(const Nodes& nodes, const OpFlagsOf& f
   return ranks_of(nodes, sigs, signature_flags(nodes, sigs, flags_of));
 }
 
+i64 tight_bound(const Nodes& all, const std::vector<i64>& forward_ends,
+                const OpFlagsOf& flags_of) {
+  i64 bound = 0, begin = 0;
+  for (i64 end : forward_ends) {  // forwards count on their own, as in lower_bound
+    bound += tight_bound_of(one_forward(all, begin, end), flags_of);
+    begin = end;
+  }
+  return bound;
+}
+
 i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
                 const OpFlagsOf& flags_of) {
   i64 bound = 0, begin = 0;
   for (i64 end : forward_ends) {
     // Nodes of different forwards never share a launch (a value was asked for in between),
-    // so each forward counts on its own: inputs from earlier forwards are left out.
-    Nodes part = all;
-    part.start = all.start + begin;
-    part.n = static_cast<Local>(end - begin);
-    part.sig += begin;
-    part.arg_ptr += begin;
+    // so each forward counts on its own.
+    const Nodes part = one_forward(all, begin, end);
     const Signatures sigs = compact_signatures(part);
     const std::vector<std::int32_t> rank =
         ranks_of(part, sigs, signature_flags(part, sigs, flags_of));
@@ -657,11 +866,7 @@ std::vector<SignatureSplit> signature_splits(const Nodes& all, const std::vector
   };
   i64 begin = 0;
   for (i64 end : forward_ends) {
-    Nodes part = all;  // one forward, as in lower_bound
-    part.start = all.start + begin;
-    part.n = static_cast<Local>(end - begin);
-    part.sig += begin;
-    part.arg_ptr += begin;
+    const Nodes part = one_forward(all, begin, end);
     const Signatures sigs = compact_signatures(part);
     const std::vector<OpFlags> flags = signature_flags(part, sigs, flags_of);
     const std::vector<std::int32_t> rank = ranks_of(part, sigs, flags);

@@ -62,6 +62,13 @@ std::vector<std::int32_t> signature_ranks(const Nodes& nodes, const OpFlagsOf& f
 i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
                 const OpFlagsOf& flags_of);
 
+// A bound at least lower_bound's that no schedule can beat either, tighter where signatures
+// interleave differently on different paths (tanh then sigmoid on one, sigmoid then tanh on
+// another): per forward, lower_bound's sum plus what pairs of signatures matched one to one
+// must add over their two counts. The proof is beside tight_bound_of in schedule.cpp.
+i64 tight_bound(const Nodes& all, const std::vector<i64>& forward_ends,
+                const OpFlagsOf& flags_of);
+
 // Why a signature took more launches than its bound, per interned signature of the first n
 // nodes: its bound (summed over forwards) and, for the nodes that missed the first launch of
 // their (signature, rank) group, the signatures of the inputs computed at or after that launch

@@ -1,5 +1,6 @@
 """The scheduling stage and its compiled core: per-signature ranks and the lower bound against
-their definitions on random graphs, cost independent of the number of signatures, row order of
+their definitions on random graphs, the tight bound between the lower bound and the optimum
+found by exhaustive search, cost independent of the number of signatures, row order of
 ragged batches, and the errors of a core that is missing or handed a broken graph.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,6 +95,80 @@ def test_lower_bound_is_the_most_nodes_of_each_signature_on_a_path_per_forward(s
     with fb.Graph() as g:
         _random_graph(steps)
         assert g.stats().lower_bound == _brute_force_lower_bound(g)
+
+
+# ---- the tight bound, against the optimum -----------------------------------------------------
+LEAF, KERNEL = SimpleNamespace(leaf=True, cheap=False), SimpleNamespace(leaf=False, cheap=False)
+
+# A tiny DAG for the core alone: per node a signature (0: a leaf, whose op launches nothing)
+# and up to two inputs among the earlier nodes.
+TINY = st.integers(2, 4).flatmap(lambda k: st.lists(
+    st.tuples(st.integers(0, k), st.lists(st.integers(0, 10**6), max_size=2)),
+    min_size=1, max_size=11))
+
+
+def _tiny_graph(nodes) -> dict:
+    sigs, arg_end, arg_flat = [], [], []
+    for v, (sig, picks) in enumerate(nodes):
+        inputs = sorted({p % v for p in picks}) if v and sig else []
+        sigs.append(sig)
+        arg_flat += inputs
+        arg_end.append(len(arg_flat))
+    return dict(n=len(sigs), sigs=sigs, arg_end=arg_end, arg_flat=arg_flat,
+                ops=[KERNEL if s else LEAF for s in sigs], forward_ends=[])
+
+
+def _optimum(graph: dict) -> int:
+    """The fewest launches of any schedule, by breadth-first search over the sets of computed
+    nodes. A launch of signature s may as well take every ready node of s (more computed nodes
+    never delay a later launch), so each state has one move per signature."""
+    n, sigs = graph["n"], graph["sigs"]
+    ends = [0] + graph["arg_end"]
+    inputs = [graph["arg_flat"][ends[v]:ends[v + 1]] for v in range(n)]
+    start = frozenset(v for v in range(n) if sigs[v] == 0)
+    level, launches, seen = {start}, 0, {start}
+    while all(len(done) < n for done in level):
+        following = set()
+        for done in level:
+            ready = [v for v in range(n) if v not in done and all(u in done for u in inputs[v])]
+            for sig in {sigs[v] for v in ready}:
+                after = done | {v for v in ready if sigs[v] == sig}
+                if after not in seen:
+                    seen.add(after)
+                    following.add(after)
+        level, launches = following, launches + 1
+    return launches
+
+
+@settings(max_examples=400)
+@given(nodes=TINY)
+def test_tight_bound_lies_between_the_lower_bound_and_the_optimum(nodes):
+    graph = _tiny_graph(nodes)
+    tight = _core.lower_bound(**graph, tight=True)
+    assert _core.lower_bound(**graph) <= tight <= _optimum(graph)
+
+
+def test_tight_bound_counts_two_signatures_met_in_both_orders():
+    """tanh then sigmoid on one path, sigmoid then tanh on another: each signature alone needs
+    one launch, together three; the tight bound says so, and auto's four launches (the esum
+    too) are then optimal."""
+    with fb.Graph(strategy="auto") as g:
+        x = fb.input(torch.zeros(2))
+        fb.esum([fb.sigmoid(fb.tanh(x)), fb.tanh(fb.sigmoid(x))]).value()
+        stats = g.stats()
+    assert (stats.lower_bound, stats.tight_bound, stats.batches) == (3, 4, 4)
+    assert "tight bound 4, ratio 1.00" in str(stats)
+
+
+@settings(max_examples=100)
+@given(steps=st.lists(STEP, min_size=0, max_size=16))
+def test_no_strategy_beats_the_tight_bound(steps):
+    for strategy in ("depth", "agenda", "auto"):
+        with fb.Graph(strategy=strategy) as g:
+            _random_graph(steps)
+            g.forward()
+            stats = g.stats()
+            assert stats.lower_bound <= stats.tight_bound <= stats.batches
 
 
 @pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])

@@ -8,6 +8,16 @@ so the bound is summed over the forwards that computed the nodes (pending nodes:
 Computed by the compiled core with the agenda's per-signature ranks (csrc/schedule.cpp), in time
 and memory linear in nodes + edges whatever the number of signatures.
 
+`tight_bound` is a bound no schedule can beat either, at least `lower_bound` and tighter where
+signatures interleave differently on different paths: with tanh then sigmoid on one path and
+sigmoid then tanh on another, each signature alone needs one launch, but together they need
+three. Launches read in order form a word of signatures that holds every path's word as a
+subsequence; pairs of signatures, matched one to one, each add what the word restricted to the
+pair must have beyond the two signatures' own counts (proof in csrc/schedule.cpp, beside
+`tight_bound_of`). Only pairs with edges both ways are tried, each costing a pass over the
+forward, so it is computed only when asked for. Where `launches == tight_bound` the schedule is
+optimal; `launches_over_tight` is the ratio that means something when signatures interleave.
+
 `splits` says, per signature, why it took more launches than its own bound: the nodes that
 missed the first launch of their (signature, rank) group waited on inputs computed at or after
 that launch; their signatures are counted (`print(stats)` shows them).
@@ -37,12 +47,19 @@ class Stats:
     gathers_avoided: int               # inputs read as a view (contiguous run or shared node)
     seconds: dict = field(default_factory=dict)  # build, schedule, forward, backward
     _bound: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
+    _tight: Callable[[], int] = field(default=lambda: 0, repr=False, compare=False)
     _splits: Callable[[], dict] = field(default=dict, repr=False, compare=False)
 
     @cached_property
     def lower_bound(self) -> int:
         """Launches no schedule can beat; computed on first use (it is a pass over the graph)."""
         return self._bound()
+
+    @cached_property
+    def tight_bound(self) -> int:
+        """Launches no schedule can beat, counting interleaved signatures; computed on first use
+        (a pass over the graph per pair of signatures with edges both ways)."""
+        return self._tight()
 
     @cached_property
     def splits(self) -> dict[str, tuple[int, Counter]]:
@@ -54,10 +71,15 @@ class Stats:
     def launches_over_bound(self) -> float:
         return self.batches / self.lower_bound if self.lower_bound else 1.0
 
+    @property
+    def launches_over_tight(self) -> float:
+        return self.batches / self.tight_bound if self.tight_bound else 1.0
+
     def __str__(self) -> str:
         lines = [
             f"strategy {self.strategy}: {self.nodes} nodes, {self.batches} launches "
-            f"(lower bound {self.lower_bound}, ratio {self.launches_over_bound:.2f})",
+            f"(lower bound {self.lower_bound}, ratio {self.launches_over_bound:.2f}; "
+            f"tight bound {self.tight_bound}, ratio {self.launches_over_tight:.2f})",
             f"gathers {self.gathers} made, {self.gathers_avoided} avoided; time "
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items()),
             f"{'launches':>9}  {'bound':>5}  signature",
@@ -74,14 +96,17 @@ def collect(graph: "Graph") -> Stats:
     by_sig = Counter(signatures.describe(sig, graph) for sig, _ in graph.launches)
     return Stats(graph.strategy, graph.n_nodes, len(graph.launches), sizes, by_sig,
                  graph.gathers, graph.gathers_avoided, dict(graph.seconds),
-                 partial(lower_bound, graph, graph.n_nodes), partial(splits, graph, graph.n_done))
+                 partial(lower_bound, graph, graph.n_nodes),
+                 partial(lower_bound, graph, graph.n_nodes, tight=True),
+                 partial(splits, graph, graph.n_done))
 
 
-def lower_bound(graph: "Graph", n: int | None = None) -> int:
-    """The lower bound over the first `n` nodes (default: all), summed over forwards."""
+def lower_bound(graph: "Graph", n: int | None = None, tight: bool = False) -> int:
+    """The lower bound (with `tight`, the tight bound) over the first `n` nodes (default: all),
+    summed over forwards."""
     return _core.lower_bound(
         n=graph.n_nodes if n is None else n, sigs=graph.sigs, arg_end=graph.arg_end,
-        arg_flat=graph.arg_flat, ops=graph.ops, forward_ends=graph.forward_ends)
+        arg_flat=graph.arg_flat, ops=graph.ops, forward_ends=graph.forward_ends, tight=tight)
 
 
 def splits(graph: "Graph", n: int) -> dict[str, tuple[int, Counter]]:
