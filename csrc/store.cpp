@@ -700,8 +700,17 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* op_table(PyObject*, PyObject*) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(g_ops.size()));
+  if (!list) return nullptr;
+  for (std::size_t i = 0; i < g_ops.size(); ++i) PyList_SET_ITEM(list, i, Py_NewRef(g_ops[i]));
+  return list;
+}
+
 PyMethodDef kModuleMethods[] = {
     {"configure", configure, METH_VARARGS, kConfigureDoc},
+    {"op_table", op_table, METH_NOARGS,
+     "op_table() -> list[Op]: the op of each op code (Store.view('ops')), shared by all graphs"},
     {nullptr, nullptr, 0, nullptr},
 };
 
