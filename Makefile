@@ -42,7 +42,10 @@ asan: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	$(PY) -m pytest -x -q -p no:cacheprovider --capture=sys
 
-# DyNet 2.1.2 peer environment (.venv-peers) for the dynet-* benchmark modes; compiles
-# DyNet (several minutes). Never part of `make test`.
-peers:
-	bash scripts/install-peers.sh
+# The DyNet peers of the dynet-* benchmark modes (scripts/install-peers.sh): .venv-peers with
+# DyNet 2.1.2 compiled from source (minutes) and .venv-peers-22 with the DyNet 2.2 wheel
+# (seconds); DYNET=2.1.2 or DYNET=2.2 installs only that one. They import flybatch from src/,
+# so the core is built first, by the same Python. Never part of `make test`.
+DYNET ?= all
+peers: $(STAMP)
+	PYTHON=$(PYTHON) bash scripts/install-peers.sh $(DYNET)

@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "distributed): each trains and evaluates its shard of every minibatch, "
                          "gradients are summed; reports throughput per process and in total; "
                          "rank 0 prints and writes; DyNet modes are skipped")
+    ap.add_argument("--dynet", choices=("2.1.2", "2.2"), default=None,
+                    help="DyNet build of the dynet-* modes, as `make peers` installs them "
+                         "(default 2.2, the faster, when installed)")
     ap.add_argument("--run-id", default=None, help="report: only this run (default the last)")
     return ap.parse_args(argv)
 
@@ -136,7 +139,7 @@ def _bench(args: argparse.Namespace) -> int:
         eval_warmup=0 if quick else 1,
         threads=args.threads, device=args.device, seed=args.seed,
         n_synthetic=args.n_synthetic if args.n_synthetic is not None else (256 if quick else 2000),
-        data_dir=args.data_dir, out=args.out, distributed=args.distributed)
+        data_dir=args.data_dir, out=args.out, distributed=args.distributed, dynet=args.dynet)
     if args.run_id:
         s.run_id = args.run_id
     tasks = list(TASKS) if args.task == "all" else [args.task]

@@ -1,15 +1,16 @@
 """DyNet peer for the benchmarks: the five models of ``notes/model_spec.md`` in DyNet.
 
-Run inside the peers virtual environment (``make peers`` builds it)::
+Run inside a peer virtual environment (``make peers`` builds ``.venv-peers`` with DyNet 2.1.2
+from source and ``.venv-peers-22`` with the DyNet 2.2 wheel of PyPI's ``dynet38``)::
 
-    .venv-peers/bin/python -m flybatch.bench.dynet_peer TASK --strategy {noauto,depth,agenda}
+    .venv-peers-22/bin/python -m flybatch.bench.dynet_peer TASK --strategy {noauto,depth,agenda}
         [--data-dir D] [--batch-size 64] [--seconds S] [--threads N] [--init params.npz]
         [--warmup K] [--seed 0] [--eval-seconds E] [--mem MB] [--dump-init out.npz]
 
 and it prints ONE JSON line on stdout::
 
-    {"mode": "dynet-<strategy>", "task": ..., "train_per_s": ..., "eval_per_s": ...,
-     "first_loss": ..., "peak_rss_mb": ...,
+    {"mode": "dynet-<strategy>", "dynet": "2.2", "task": ..., "train_per_s": ...,
+     "eval_per_s": ..., "first_loss": ..., "peak_rss_mb": ...,
      "seconds": {"build": ..., "forward": ..., "backward": ..., "update": ...}, ...}
 
 ``train_per_s`` = batch size / median seconds of a training minibatch (build the graph,
@@ -23,6 +24,10 @@ Autobatching strategies (DyNet's ``--dynet-autobatch``): ``noauto`` = 0, ``agend
 ``depth`` = 2.  DyNet's CPU backend is single-threaded (Eigen without threads);
 ``--threads`` only sets ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``/``OPENBLAS_NUM_THREADS``
 before numpy and dynet are imported, which caps any threaded library they may use.
+
+The code runs unchanged on both builds: the 2.2 wheel's bindings are compiled with Cython 3,
+where an Expression has no reflected operators (``1.0 - e`` raises TypeError), so scalars only
+ever stand right of an operator here.
 
 Models are written per instance in DyNet's idiomatic Python API, as
 neulab/dynet-benchmark's ``dynet-py`` scripts do: one ``dy.renew_cg()`` per minibatch,
@@ -347,7 +352,9 @@ class Parser:
                             wrong = t
                     if wrong is not None:
                         e = exprs[j]
-                        losses.append(dy.rectify(1.0 - dy.pick(e, gold) + dy.pick(e, wrong)))
+                        # The spec's relu(1 - s[gold] + s[wrong]), the scalar on the right:
+                        # the 2.2 wheel has no Expression.__rsub__ (see the module docstring).
+                        losses.append(dy.rectify(dy.pick(e, wrong) - dy.pick(e, gold) + 1.0))
                     cfg.apply(gold)
                 else:
                     best = legal[0]
@@ -414,6 +421,20 @@ def eval_minibatch(model, batch):
     model.begin()
     model.predict(batch)
     return time.perf_counter() - t0
+
+
+def dynet_version() -> str:
+    """The installed DyNet's release: "2.1.2" (the ``dyNET`` sdist) or "2.2" (``dynet38``).
+
+    From the package metadata, since the 2.2 wheel's ``dynet.__version__`` still says 2.1."""
+    from importlib import metadata
+
+    for dist in ("dyNET38", "dyNET"):
+        try:
+            return metadata.version(dist).lstrip("v")
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def _rss_mb():
@@ -547,6 +568,7 @@ def _run(args):
     eval_size = eval_times[0][1]
     result = {
         "mode": f"dynet-{args.strategy}",
+        "dynet": dynet_version(),
         "task": args.task,
         "train_per_s": timed[0][1] / train_med,
         "eval_per_s": eval_size / eval_med,

@@ -83,10 +83,12 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         return s
 
     any_rec = next(iter(cells.values()))
+    dynets = sorted({r["dynet"] for r in cells.values() if r.get("dynet")})
     out = [f"Batch size {any_rec.get('batch_size')}, {any_rec.get('threads')} thread(s), "
            f"device {any_rec.get('device')}, data per task: "
            + ", ".join(f"{t} {cells[next(k for k in cells if k[0] == t)].get('data', '?')}"
-                       for t in tasks) + ".\n",
+                       for t in tasks) + "."
+           + (f" dynet-* modes: DyNet {', '.join(dynets)}." if dynets else "") + "\n",
            "**Training** (instances/s, forward + backward + update; in brackets kernel launches "
            "per minibatch):\n", table(train_cell),
            "**Evaluation** (instances/s, forward only):\n",

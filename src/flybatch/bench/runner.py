@@ -15,9 +15,10 @@ parameters) and trained on the same minibatch sequence (``tasks_data.minibatches
 A result is the medians of those minibatches: instances/s, seconds per phase, kernel launches
 and their lower bound, input copies made and avoided, nodes, plus peak memory (peak RSS of the
 process during the mode, the high-water mark reset per mode; on CUDA the peak allocated).
-DyNet peers run as subprocesses in ``.venv-peers`` with the same initial parameters
-(``--init``, from ``Task.export_spec``). Results go to stdout (a progress bar on stderr) and
-are appended as JSON lines to ``out``.
+DyNet peers run as subprocesses in the venv of the DyNet build ``Settings.dynet`` names
+(``make peers`` installs both, see :data:`DYNET_VENVS`) with the same initial parameters
+(``--init``, from ``Task.export_spec``); their records say which DyNet ran (``dynet``).
+Results go to stdout (a progress bar on stderr) and are appended as JSON lines to ``out``.
 
 Data-parallel (``torchrun --nproc-per-node N -m flybatch.bench TASK --distributed``): every
 rank runs the same modes on its shard of every global minibatch, training and evaluation alike,
@@ -58,7 +59,12 @@ from flybatch.bench.tasks_data import (IdTree, TaskData, eval_batches, minibatch
 PEER_MODES = ("dynet-noauto", "dynet-depth", "dynet-agenda")
 ALL_MODES = MODES + EXTRA_MODES + PEER_MODES
 REPO = Path(__file__).resolve().parents[3]
-PEERS_PYTHON = Path(os.environ.get("FLYBATCH_PEERS_PYTHON", REPO / ".venv-peers/bin/python"))
+# The DyNet builds `make peers` installs (scripts/install-peers.sh), by release. The default,
+# 2.2, trained faster on treelstm and bilstm-synthetic when both were measured (2026-11-23, two
+# rounds each on a shared machine), level on the taggers, slower on the parser (~10% train, ~25%
+# eval): pass --dynet 2.1.2 to meet the stronger peer there.
+DYNET_VENVS = {"2.1.2": ".venv-peers", "2.2": ".venv-peers-22"}
+DYNET_PREFERRED = "2.2"
 LR = 0.001
 RTOL, ATOL = 1e-4, 1e-3  # first-loss agreement: float32 sums of thousands of terms
 
@@ -82,6 +88,7 @@ class Settings:
     data_dir: str | None = None
     out: str = "bench-results/results.jsonl"
     distributed: bool = False      # --distributed: data-parallel over torchrun's processes
+    dynet: str | None = None       # DyNet build of the dynet-* modes; None: default_dynet()
     run_id: str = field(default_factory=lambda: datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
     @property
@@ -299,14 +306,32 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str
 
 
 # ---- DyNet peers ---------------------------------------------------------------------------------
-def peers_available() -> str | None:
-    """None when the peer environment can run DyNet, else why not."""
-    if not PEERS_PYTHON.exists():
-        return "DyNet not installed: run `make peers`"
-    probe = subprocess.run([str(PEERS_PYTHON), "-c", "import dynet_config"],
+def peer_python(dynet: str | None = None) -> Path:
+    """The interpreter of DyNet build `dynet` (default :func:`default_dynet`);
+    FLYBATCH_PEERS_PYTHON overrides it (a DyNet installed elsewhere)."""
+    if os.environ.get("FLYBATCH_PEERS_PYTHON"):
+        return Path(os.environ["FLYBATCH_PEERS_PYTHON"])
+    return REPO / DYNET_VENVS[dynet or default_dynet()] / "bin/python"
+
+
+def default_dynet() -> str:
+    """The preferred DyNet build when its venv exists, else any installed one."""
+    for release in (DYNET_PREFERRED, *DYNET_VENVS):
+        if (REPO / DYNET_VENVS[release] / "bin/python").exists():
+            return release
+    return DYNET_PREFERRED
+
+
+def peers_available(dynet: str | None = None) -> str | None:
+    """None when DyNet build `dynet` can run, else why not."""
+    python = peer_python(dynet)
+    label = f"DyNet {dynet or default_dynet()}"
+    if not python.exists():
+        return f"{label} not installed: run `make peers`"
+    probe = subprocess.run([str(python), "-c", "import dynet_config"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        return "DyNet not importable in .venv-peers: run `make peers`"
+        return f"{label} not importable by {python}: run `make peers`"
     return None
 
 
@@ -316,7 +341,7 @@ def run_peer(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str
     with tempfile.TemporaryDirectory() as tmp:
         init = Path(tmp) / "init.npz"
         np.savez(init, **task.export_spec())
-        cmd = [str(PEERS_PYTHON), "-m", "flybatch.bench.dynet_peer", task_name,
+        cmd = [str(peer_python(s.dynet)), "-m", "flybatch.bench.dynet_peer", task_name,
                "--strategy", mode.split("-", 1)[1], "--batch-size", str(s.batch_size),
                "--seconds", str(s.seconds), "--eval-seconds", str(s.eval_budget),
                "--threads", str(s.threads), "--init", str(init), "--seed", str(s.seed),
@@ -332,7 +357,8 @@ def run_peer(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"{mode} failed (exit {proc.returncode}):\n{tail}")
     peer = json.loads(lines[-1])
-    rec = {"task": task_name, "mode": mode, "train_per_s": peer["train_per_s"],
+    rec = {"task": task_name, "mode": mode, "dynet": peer.get("dynet"),
+           "train_per_s": peer["train_per_s"],
            "eval_per_s": peer["eval_per_s"], "first_loss": peer["first_loss"],
            "seconds": peer.get("seconds", {}), "peak_rss_mb": peer.get("peak_rss_mb"),
            "timed_minibatches": peer.get("timed_minibatches"),
@@ -376,7 +402,7 @@ def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, An
     real = s.data_dir is not None and task_name != "bilstm-synthetic"
     meta = {**environment(s), "data": "real" if real else "synthetic",
             "train_size": len(data.train), "dev_size": len(data.dev)}
-    why_no_peers = peers_available() \
+    why_no_peers = peers_available(s.dynet) \
         if any(m in PEER_MODES for m in modes) and not s.distributed else None
     main = fbd.context().is_main  # under --distributed only rank 0 writes results
     records, losses = [], {}
@@ -425,6 +451,8 @@ def _summary(r: dict[str, Any]) -> str:
     if r.get("world_size", 1) > 1:
         extra += (f"; {r['world_size']} processes: train "
                   + " + ".join(f"{x:.1f}" for x in r["per_process"]) + f" = {r['total']:.1f}/s")
+    if r.get("dynet"):
+        extra += f" (DyNet {r['dynet']})"
     return (f"{r['task']:16s} {r['mode']:13s} train {r['train_per_s']:8.1f}/s  "
             f"eval {r['eval_per_s']:8.1f}/s  loss0 {r['first_loss']:.6g}{extra}")
 
