@@ -44,7 +44,7 @@ def test_modes_agree_on_loss_gradients_and_predictions(task_name, datasets):
         for p in task.params.values():
             p.grad = None
         preds[mode] = task.step(mode, data.dev[:BATCH], train=False).predictions
-        assert (r.stats is not None) == (mode in ("none", "depth", "agenda"))
+        assert (r.stats is not None) == (mode in ("none", "depth", "agenda", "auto"))
     print(runner.check_losses(task_name, losses))  # raises on a mismatch
     for mode in MODES[1:]:
         assert preds[mode] == preds["eager"], mode

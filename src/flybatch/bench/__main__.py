@@ -23,7 +23,7 @@ import sys
 # Modes and tasks are spelled out here (not imported) so that the thread variables below are
 # set before torch is imported.
 TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm", "parser")
-MODES = ("eager", "none", "depth", "agenda", "manual", "parser-auto", "parser-seq",
+MODES = ("eager", "none", "depth", "agenda", "auto", "manual", "parser-auto", "parser-seq",
          "dynet-noauto", "dynet-depth", "dynet-agenda")
 
 

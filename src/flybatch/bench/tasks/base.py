@@ -17,7 +17,7 @@ Each returns, when ``train``: the minibatch loss (sum over instances) as a scala
 when not ``train``: the predictions (plain Python, values already computed: e.g. one list of
 tag ids per sentence, one label per tree, heads per sentence), forward only.
 
-:meth:`Task.step` runs one of the modes ``"eager" | "none" | "depth" | "agenda" | "manual"``
+:meth:`Task.step` runs one of the modes ``"eager" | "none" | "depth" | "agenda" | "auto" | "manual"``
 on a minibatch: the forward, and the backward when ``train`` (gradients accumulate into
 ``p.grad``; the optimizer update is the runner's job), and times it. A task whose modes do not
 fit this template (e.g. incremental forwards with its own timing) may override ``step``.
@@ -50,8 +50,8 @@ import torch
 import flybatch as fb
 from flybatch.bench.tasks_data import TaskData
 
-MODES = ("eager", "none", "depth", "agenda", "manual")  # every task implements these
-FLYBATCH_MODES = ("none", "depth", "agenda")
+MODES = ("eager", "none", "depth", "agenda", "auto", "manual")  # every task implements these
+FLYBATCH_MODES = ("none", "depth", "agenda", "auto")
 # Modes that only some tasks implement (``Task.TASK_EXTRA_MODES``), in report order.
 EXTRA_MODES = ("parser-auto", "parser-seq")
 

@@ -110,7 +110,7 @@ def transition(config: Config, gold_heads: Sequence[int], scores, values: Sequen
 
 class ParserTask(Task):
     name = "parser"
-    TASK_EXTRA_MODES = {"parser-auto": "agenda", "parser-seq": "agenda"}
+    TASK_EXTRA_MODES = {"parser-auto": "auto", "parser-seq": "auto"}
 
     def __init__(self, data: TaskData, device: str | torch.device = "cpu", seed: int = 0):
         super().__init__(data, device, seed)
