@@ -158,7 +158,9 @@ def _classify(graph: "Graph", columns: list[np.ndarray], reads: list[Read]) -> l
     src, rows = graph.node_batch[ids], graph.node_row[ids]
     same_id = np.minimum.reduceat(ids, starts) == np.maximum.reduceat(ids, starts)
     same_src = np.minimum.reduceat(src, starts) == np.maximum.reduceat(src, starts)
-    step_ok = np.r_[np.diff(rows) == 1, True]
+    step_ok = np.empty(len(rows), bool)  # not np.r_, which costs ~30 us per forward
+    np.equal(np.diff(rows), 1, out=step_ok[:-1])
+    step_ok[-1] = True
     step_ok[starts[1:] - 1] = True  # a column's last row has no successor inside the column
     in_run = np.logical_and.reduceat(step_ok, starts)
     out = []

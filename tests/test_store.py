@@ -1,0 +1,59 @@
+"""The compiled node store: its columns as zero-copy views, the handle, the rules' caches."""
+
+import numpy as np
+import pytest
+import torch
+
+import flybatch as fb
+
+
+def test_a_column_view_reads_the_store_without_copying_and_outlives_its_growth():
+    W = torch.nn.Parameter(torch.randn(3, 3))
+    with fb.Graph() as g:
+        x = fb.input(torch.ones(3))
+        y = fb.tanh(W @ x)
+        sigs = np.asarray(g.view("sigs"))
+        assert sigs.tolist() == g.sigs and not sigs.flags.writeable
+        assert np.asarray(g.view("arg_ptr"))[1:].tolist() == g.arg_end
+        assert np.asarray(g.view("arg_flat")).tolist() == g.arg_flat == [1, 0, 2]  # W @ x, tanh
+        ops = fb._core.op_table()
+        assert [ops[c].name for c in np.asarray(g.view("ops"))] == \
+            ["input", "parameter", "matmul", "tanh"]
+        for _ in range(5000):  # the columns move to larger blocks; the old view keeps its own
+            y = fb.tanh(y)
+        assert sigs.tolist() == g.sigs[:4]
+        assert len(np.asarray(g.view("depths"))) == g.n_nodes == 5004
+
+
+def test_an_expression_is_a_small_handle_without_a_dict():
+    with fb.Graph():
+        x = fb.input(torch.ones(2))
+        assert not hasattr(x, "__dict__")
+        with pytest.raises(AttributeError):
+            x.id = 3
+
+
+def test_a_parameter_whose_grad_is_switched_off_is_an_input_from_then_on():
+    W = torch.nn.Parameter(torch.ones(2, 2))
+    with fb.Graph() as g:
+        x = fb.input(torch.ones(2))
+        first = W @ x
+        W.requires_grad_(False)
+        second = W @ x
+        assert g.op_of(g.args_of(first.id)[0]).name == "parameter"
+        assert g.op_of(g.args_of(second.id)[0]).name == "input"
+
+
+def test_an_lstm_sequence_makes_the_nodes_of_its_steps():
+    torch.manual_seed(0)
+    cell = fb.nn.LSTMCell(3, 4)
+    xs = [torch.randn(3) for _ in range(5)]
+    with fb.Graph():
+        stepwise, state = [], None
+        for x in xs:
+            state = cell(x, state)
+            stepwise.append(state.h)
+        together = fb.nn.LSTM.run(cell, xs)
+        assert [e.op for e in together] == ["slice"] * 5
+        for a, b in zip(stepwise, together):
+            torch.testing.assert_close(a.value(), b.value())
