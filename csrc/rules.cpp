@@ -848,11 +848,23 @@ PyObject* fused_node(Store* g, PyObject* op, PyObject* name, const i64* args, st
   const bool no_grad = !grad_enabled();
   auto python_key = [&] { return Py_BuildValue("(OOOO)", name, tag, shapes, attr); };
   i64 sig;
-  if (attr == Py_None || PyLong_CheckExact(attr)) {  // the usual attrs, as ints
+  // The usual attrs (None, an int, a tuple of ints or bools: arities, flags) key as ints.
+  const bool tuple = PyTuple_CheckExact(attr) && PyTuple_GET_SIZE(attr) > 0;
+  bool ints = attr == Py_None || (PyLong_CheckExact(attr) && PyLong_AsLongLong(attr) >= 0) || tuple;
+  for (Py_ssize_t i = 0; tuple && i < PyTuple_GET_SIZE(attr); ++i)
+    ints = ints && PyLong_Check(PyTuple_GET_ITEM(attr, i));
+  if (PyErr_Occurred()) PyErr_Clear();  // an int too large for the key: the Python key below
+  if (ints) {
     Key key;
     key.push(op_code(op));
     key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
-    key.push(attr == Py_None ? -1 : PyLong_AsLongLong(attr));  // arities are >= 0
+    if (tuple) {  // its length, then its items (a bool keys as 0 or 1, as it hashes)
+      key.push(-2 - PyTuple_GET_SIZE(attr));
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attr); ++i)
+        key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(attr, i)));
+    } else {
+      key.push(attr == Py_None ? -1 : PyLong_AsLongLong(attr));  // arities are >= 0
+    }
     for (std::size_t i = 0; i < n; ++i) key.push(g->nodes->shape[args[i]]);
     key.push(no_grad);
     if (PyErr_Occurred()) throw PythonError{};
