@@ -76,6 +76,11 @@ PyObject* guarded(Body&& body) {
   return nullptr;
 }
 
+struct Release {  // drops a reference at the end of a scope
+  PyObject* o;
+  ~Release() { Py_XDECREF(o); }
+};
+
 // The key of a signature as ints, without allocating for the usual few.
 class Key {
  public:
@@ -261,6 +266,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
   std::vector<i64> out_dims;
   PyObject* attr = Py_None;
   PyObject* owned_attr = nullptr;  // a new reference to release after the append
+  i64 index = 0;
   std::int32_t out_shape = -1;
   const bool no_grad = !grad_enabled();
   auto finish = [&](auto&& python_key) -> PyObject* {
@@ -270,7 +276,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
     check_open(g);
     PyObject* e;
     try {
-      e = append(g, code, args, n, out_shape, sig, attr, no_grad);
+      e = append(g, code, args, n, out_shape, sig, attr, no_grad, index);
     } catch (...) {
       Py_XDECREF(owned_attr);
       throw;
@@ -429,8 +435,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
               static_cast<long long>(i), shape_tuple(g, args[0]));
       if (i < 0) i += a[0];
       if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
-      attr = owned_attr = PyLong_FromLongLong(i);
-      if (!attr) throw PythonError{};
+      index = i;
       key.push(g->nodes->shape[args[0]]);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     }
@@ -485,10 +490,7 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
     sparse = PyTuple_GET_ITEM(owned, 1);
     options = PyTuple_GET_ITEM(owned, 2);
   }
-  struct Release {
-    PyObject* o;
-    ~Release() { Py_XDECREF(o); }
-  } release{owned};
+  Release release{owned};
   const int is_sparse = PyObject_IsTrue(sparse);
   if (is_sparse < 0) throw PythonError{};
   static PyObject* no_options = PyTuple_New(0);
@@ -498,7 +500,7 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
   Store* g = ref.g;
   PyObject* size = PyObject_GetAttrString(table, "shape");
   if (!size) throw PythonError{};
-  struct Release size_ref{size};
+  Release size_ref{size};
   if (PyTuple_GET_SIZE(size) != 2) {
     PyObject* plain = PySequence_Tuple(size);  // (3,), not torch.Size([3])
     if (!plain) throw PythonError{};
@@ -543,24 +545,24 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
     sig = signature(g, key, no_grad, python_key);
   } else {  // an nn.Embedding's options (rare): its whole Python key, every time
     PyObject* readable = python_key();
-    struct Release readable_ref{readable};
+    Release readable_ref{readable};
     sig = python_sig(g, readable);
   }
-  PyObject* attr = Py_BuildValue("(OLOO)", table, static_cast<long long>(i), sparse_flag, options);
-  if (!attr) throw PythonError{};
-  // Only the store refers to this tuple, so it can be in no reference cycle: untracked, the
-  // garbage collector does not rescan one tuple per lookup on every collection (at 1M nodes
-  // that doubled the cost of building).
-  PyObject_GC_UnTrack(attr);
-  PyObject* e;
-  try {
-    e = append(g, rule->code, nullptr, 0, shape, sig, attr, no_grad);
-  } catch (...) {
-    Py_DECREF(attr);
-    throw;
+  // The kernel's attr, (table, sparse, options), is shared by the lookups of a table (one
+  // tuple per graph, not per node); the row goes to the store's index column.
+  PyObject* attr;  // a new reference
+  if (options == no_options) {
+    PyObject*& shared = (*g->lookup_attrs[is_sparse])[table];  // held by the graph until close
+    if (!shared && !(shared = Py_BuildValue("(OOO)", table, sparse_flag, options))) {
+      g->lookup_attrs[is_sparse]->erase(table);
+      throw PythonError{};
+    }
+    attr = Py_NewRef(shared);
+  } else if (!(attr = Py_BuildValue("(OOO)", table, sparse_flag, options))) {
+    throw PythonError{};
   }
-  Py_DECREF(attr);
-  return e;
+  Release attr_ref{attr};
+  return append(g, rule->code, nullptr, 0, shape, sig, attr, no_grad, i);
 }
 
 std::size_t arity(Family family) {
@@ -585,10 +587,7 @@ PyObject* call_rule(Rule* rule, PyObject* const* argv, std::size_t argc, PyObjec
       operands = PySequence_Fast_ITEMS(seq);
       n = PySequence_Fast_GET_SIZE(seq);
     }
-    struct Release {
-      PyObject* o;
-      ~Release() { Py_XDECREF(o); }
-    } release{seq};
+    Release release{seq};
     if (n == 0) raise(PyExc_ValueError, "%s: needs at least one expression", rule->cname);
     GraphRef ref(graph_of(operands, n));
     i64 small[3];
@@ -820,11 +819,6 @@ PyObject* set_operators(PyObject*, PyObject* args) {
 }
 
 // ---- fused-module nodes ------------------------------------------------------------------------
-struct Release {  // drops a reference at the end of a scope
-  PyObject* o;
-  ~Release() { Py_XDECREF(o); }
-};
-
 // One node of a fused module's `op` (named `name`): inputs args[0..n), whose shapes must be
 // `expect`, then parameter nodes args[n..total); batched by the module's `tag` (("P", k)), the
 // input shapes and `attr`.

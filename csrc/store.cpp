@@ -201,7 +201,7 @@ PyObject* new_expression(Store* s, i64 id) {
 }
 
 PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
-                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad) {
+                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad, i64 index) {
   Columns& c = *s->nodes;
   const i64 node = n_nodes(s);
   // Depth counts pending inputs only: an input computed by an earlier forward is as available
@@ -230,6 +230,7 @@ PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
     c.depth.push(depth);
     c.shape.push(shape);
     c.no_grad.push(no_grad);
+    c.index.push(index);
     s->attrs->push_back(attr == Py_None ? nullptr : Py_XNewRef(attr));
     c.op.push(op);  // last: n_nodes counts complete nodes only
   } catch (...) {
@@ -277,6 +278,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->scalars = new std::unordered_map<std::uint64_t, i64>();
     s->table_tags = new std::unordered_map<PyObject*, PyObject*>();
     s->parameters = new std::unordered_map<PyObject*, i64>();
+    for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -312,6 +314,12 @@ void clear_caches(Store* s) {
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
+  for (auto* attrs : s->lookup_attrs) {
+    if (!attrs) continue;
+    std::unordered_map<PyObject*, PyObject*> held;
+    held.swap(*attrs);
+    for (auto& [table, attr] : held) Py_DECREF(attr);
+  }
 }
 
 int store_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -350,6 +358,7 @@ void store_dealloc(PyObject* self) {
   delete s->scalars;
   delete s->table_tags;
   delete s->parameters;
+  for (auto* attrs : s->lookup_attrs) delete attrs;
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -451,6 +460,41 @@ PyObject* store_args_of(PyObject* self, PyObject* arg) {
     }
     return out;
   });
+}
+
+const char kIndicesDoc[] =
+    "indices(nodes) -> bytearray\n\n"
+    "The per-node ints of `nodes` (an int64 array): the index of each pick, the row of each\n"
+    "lookup, as int64 bytes (np.frombuffer(..., np.int64) reads them without a copy).";
+
+PyObject* store_indices(PyObject* self, PyObject* nodes) {
+  Store* s = as_store(self);
+  Py_buffer view;
+  if (PyObject_GetBuffer(nodes, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return nullptr;
+  const char* format = view.format ? view.format : "B";
+  const std::size_t f = std::strlen(format);
+  if (view.itemsize != 8 || !f || (format[f - 1] != 'q' && format[f - 1] != 'l')) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_TypeError, "indices: nodes must be an int64 array");
+    return nullptr;
+  }
+  const i64* ids = static_cast<const i64*>(view.buf);
+  const Py_ssize_t n = view.len / 8;
+  PyObject* out = PyByteArray_FromStringAndSize(nullptr, n * 8);
+  if (out) {
+    i64* dst = reinterpret_cast<i64*>(PyByteArray_AS_STRING(out));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (ids[i] < 0 || ids[i] >= n_nodes(s)) {
+        Py_CLEAR(out);
+        PyErr_Format(PyExc_IndexError, "node %lld is not in this graph",
+                     static_cast<long long>(ids[i]));
+        break;
+      }
+      dst[i] = s->nodes->index[ids[i]];
+    }
+  }
+  PyBuffer_Release(&view);
+  return out;
 }
 
 PyObject* store_sig_of(PyObject* self, PyObject* arg) {
@@ -577,6 +621,7 @@ PyMethodDef kStoreMethods[] = {
     {"op_of", store_op_of, METH_O, "op_of(node) -> Op"},
     {"attr_of", store_attr_of, METH_O, "attr_of(node): what the node's kernel gets (or None)"},
     {"args_of", store_args_of, METH_O, "args_of(node) -> tuple: the node's input node ids"},
+    {"indices", store_indices, METH_O, kIndicesDoc},
     {"sig_of", store_sig_of, METH_O, "sig_of(node) -> int: the node's interned signature"},
     {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
     {"view", store_view, METH_O, kViewDoc},

@@ -101,6 +101,7 @@ struct Columns {
   Column<i64> arg_flat{"q"};
   Column<std::int32_t> shape{"i"};   // interned shape id, per graph
   Column<std::uint8_t> no_grad{"B"};  // written under torch.no_grad()
+  Column<i64> index{"q"};            // the per-node int of ops that take one (pick, lookup)
 };
 
 struct Store {
@@ -120,6 +121,7 @@ struct Store {
   std::unordered_map<std::uint64_t, i64>* scalars;       // bits of a float -> constant node
   std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
   std::unordered_map<PyObject*, i64>* parameters;        // parameter tensor -> its node
+  std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
   PyObject* mirrors[5];              // lists kept for readers of Python lists (Store.column)
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
@@ -149,7 +151,7 @@ bool grad_enabled();
 i64 python_sig(Store* s, PyObject* key);
 // Appends a node (its inputs already checked to be earlier nodes) and returns its handle.
 PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
-                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad);
+                 std::int32_t shape, i64 sig, PyObject* attr, bool no_grad, i64 index = 0);
 PyObject* new_expression(Store* s, i64 id);
 void check_open(const Store* s);
 

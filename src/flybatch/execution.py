@@ -56,7 +56,9 @@ def run(graph: "Graph", plan: Schedule) -> None:
                     arg_shape = shape_of(graph.args_of(first)[0])
                     xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked,
                                                                              *arg_shape)
-                attr = [attr_of(v) for v in nodes] if op.per_node_attrs else attr_of(first)
+                attr = attr_of(first)
+                if op.per_node_attrs:  # and each node's int (index, row), read in one call
+                    attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
             if op.random:  # one sample per node, never one broadcast row for all
                 xs = [x.expand(size, *x.shape[1:]) for x in xs]
             if graph.is_no_grad(first):  # written under torch.no_grad() (the whole batch was)

@@ -33,10 +33,11 @@ STRATEGIES = ("none", "depth", "agenda", "auto")
 class Op:
     """An operation: its batched kernel and how the executor should feed it.
 
-    `kernel(xs, attrs, shape)` gets one tensor per argument position with the batch in dim 0
+    `kernel(xs, attr, shape)` gets one tensor per argument position with the batch in dim 0
     (dim 0 may be 1 when every node of the batch shares that argument: a parameter, an interned
-    constant), `attrs` (per-node list when `per_node_attrs`, else the first node's attr) and the
-    per-instance output shape; it returns `[B, *shape]` (or `[1, *shape]`, expanded by the executor).
+    constant), the first node's attr (with `per_node_attrs`: that attr and an int64 array of
+    each node's int, its index or row, kept by the store without a Python object per node) and
+    the per-instance output shape; it returns `[B, *shape]` (or `[1, *shape]`, expanded by the executor).
     Variadic ops with at least `stack_from` arguments of equal shape get ONE stacked argument
     `[B, k, *shape]` gathered in a single copy instead of k separate ones.
     """
@@ -44,7 +45,7 @@ class Op:
     name: str
     kernel: Callable[..., torch.Tensor] | None = None
     leaf: bool = False
-    per_node_attrs: bool = False
+    per_node_attrs: bool = False  # the rules give each node an int (pick's index, lookup's row)
     stack_from: int | None = None
     ragged: bool = False  # variadic, any arity in one batch: ONE flat argument, attr = arities
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does

@@ -94,10 +94,9 @@ def _as_shape(op: str, shape: int | Sequence[int], inferred: int = 0) -> Shape:
     return dims
 
 
-def _lookup_kernel(xs, attrs, shape):
-    table, _, sparse, options = attrs[0]
-    index = torch.tensor([a[1] for a in attrs], device=table.device)
-    return F.embedding(index, table, sparse=sparse, **dict(options))
+def _lookup_kernel(xs, attr, shape):
+    (table, sparse, options), rows = attr
+    return F.embedding(_index(rows, table), table, sparse=sparse, **dict(options))
 
 
 LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True, rule="lookup")
@@ -129,6 +128,11 @@ def _embedding_args(table: torch.nn.Embedding, sparse: bool | None
     if table.max_norm is not None:
         options += (("max_norm", table.max_norm), ("norm_type", table.norm_type))
     return table.weight, bool(table.sparse if sparse is None else sparse), options
+
+
+def _index(index: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The per-node ints of a batch as an index tensor on `like`'s device."""
+    return torch.from_numpy(index).to(like.device)
 
 
 # ---- unary elementwise ---------------------------------------------------------------------
@@ -298,19 +302,16 @@ softmax = _softmax("softmax", lambda x: torch.softmax(x, -1))
 log_softmax = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
 
 
-def _indices(attrs: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(attrs, device=like.device)
+def _pick_kernel(xs, attr, shape):
+    x, (_, index) = xs[0], attr
+    rows = torch.arange(len(index), device=x.device)
+    return x.expand(len(index), *x.shape[1:])[rows, _index(index, x)]
 
 
-def _pick_kernel(xs, attrs, shape):
-    x = xs[0]
-    rows = torch.arange(len(attrs), device=x.device)
-    return x.expand(len(attrs), *x.shape[1:])[rows, _indices(attrs, x)]
-
-
-def _pnls_kernel(xs, attrs, shape):
-    x = xs[0].expand(len(attrs), *xs[0].shape[1:])
-    return -torch.log_softmax(x, -1).gather(1, _indices(attrs, x).unsqueeze(1)).squeeze(1)
+def _pnls_kernel(xs, attr, shape):
+    _, label = attr
+    x = xs[0].expand(len(label), *xs[0].shape[1:])
+    return -torch.log_softmax(x, -1).gather(1, _index(label, x).unsqueeze(1)).squeeze(1)
 
 
 # Signature (name, shape of x); attr the index, checked and made non-negative at the call.
