@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cstring>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -44,8 +45,8 @@ PyObject* guarded(Body&& body) {
   throw PythonError{};
 }
 
-// Items begin..end-1 of a list of ints (the node store of graph.py keeps lists), minus `shift`,
-// into `out`: about 10x faster than numpy converting the same list.
+// Items begin..end-1 of a list of ints (a hand-made DAG, forward_ends), minus `shift`, into
+// `out`: about 10x faster than numpy converting the same list.
 void read_ints(PyObject* list, const char* name, i64 begin, i64 end, i64* out, i64 shift = 0) {
   if (!PyList_Check(list)) fail(PyExc_TypeError, std::string(name) + " must be a list of ints");
   if (begin < 0 || end > PyList_GET_SIZE(list))
@@ -59,7 +60,7 @@ void read_ints(PyObject* list, const char* name, i64 begin, i64 end, i64* out, i
   }
 }
 
-// Offsets of the inputs of nodes begin..end-1 (graph.arg_end) relative to their first input,
+// Offsets of the inputs of nodes begin..end-1 (arg_end: where each node's inputs end) relative to their first input,
 // into out[0..n]; returns the global offset of that first input.
 i64 read_arg_ptr(PyObject* arg_end, i64 begin, i64 end, i64* out) {
   i64 first = 0;
@@ -95,7 +96,7 @@ class Int64Buffer {
   Py_buffer view_{};
 };
 
-// `leaf` and `cheap` of the ops of a list (graph.ops), read once per distinct op object.
+// `leaf` and `cheap` of the ops of a list (one per node), read once per distinct op object.
 class OpTable {
  public:
   explicit OpTable(PyObject* ops) : ops_(ops) {
@@ -139,48 +140,114 @@ flybatch::Local node_count(i64 begin, i64 end) {
   return static_cast<flybatch::Local>(end - begin);
 }
 
-// The store's nodes begin..end-1 as the core reads them: their signatures, their depths when
-// asked for, and their inputs (graph.arg_end, graph.arg_flat) as a CSR array relative to the
-// slice, kept here or, when the caller passes arrays for them, written straight into those.
-class StoreSlice {
+// Nodes begin..end-1 of a DAG given as lists (sigs; arg_end and arg_flat, the inputs in CSR
+// form), as the core reads them; for tests of the core on small hand-made DAGs. Graphs are read
+// in place (GraphSlice).
+class ListSlice {
  public:
-  StoreSlice(PyObject* sigs, PyObject* depths, PyObject* arg_end, PyObject* arg_flat, i64 begin,
-             i64 end, PyObject* arg_ptr_out = nullptr, PyObject* arg_flat_out = nullptr) {
+  ListSlice(PyObject* sigs, PyObject* arg_end, PyObject* arg_flat, i64 begin, i64 end) {
     nodes.start = begin;
     nodes.n = node_count(begin, end);
     sig_.resize(nodes.n);
     read_ints(sigs, "sigs", begin, end, sig_.data());
     nodes.sig = sig_.data();
-    if (depths) {
-      depth_.resize(nodes.n);
-      read_ints(depths, "depths", begin, end, depth_.data());
-      nodes.depth = depth_.data();
-    }
-    i64* ptr = storage(arg_ptr_out, "arg_ptr_out", ptr_out_, ptr_, nodes.n + 1);
-    const i64 first = read_arg_ptr(arg_end, begin, end, ptr);
-    if (ptr[nodes.n] < 0) fail(PyExc_ValueError, "arg_end must not decrease");
-    i64* flat = storage(arg_flat_out, "arg_flat_out", flat_out_, flat_, ptr[nodes.n]);
-    read_ints(arg_flat, "arg_flat", first, first + ptr[nodes.n], flat);
-    nodes.arg_ptr = ptr;
-    nodes.arg_flat = flat;
+    ptr_.resize(nodes.n + 1);
+    const i64 first = read_arg_ptr(arg_end, begin, end, ptr_.data());
+    if (ptr_[nodes.n] < 0) fail(PyExc_ValueError, "arg_end must not decrease");
+    flat_.resize(ptr_[nodes.n]);
+    read_ints(arg_flat, "arg_flat", first, first + ptr_[nodes.n], flat_.data());
+    nodes.arg_ptr = ptr_.data();
+    nodes.arg_flat = flat_.data();
     flybatch::check_nodes(nodes);
   }
 
   flybatch::Nodes nodes;
 
  private:
-  static i64* storage(PyObject* out, const char* name, std::optional<Int64Buffer>& buffer,
-                      std::vector<i64>& own, i64 size) {
-    if (!out) {
-      own.resize(size);
-      return own.data();
+  std::vector<i64> sig_, ptr_, flat_;
+};
+
+// The scheduling view of a graph's nodes begin..end-1, read in place from its columns (no
+// copy): signatures, depths (when asked for) and the inputs as global offsets into the arg_flat column. Op flags
+// come from the op column through one (leaf, cheap) per op code, read once per call.
+class GraphSlice {
+ public:
+  GraphSlice(PyObject* graph, i64 begin, i64 end, bool with_depth = false) {
+    if (!PyObject_TypeCheck(graph, &flybatch::StoreType))
+      fail(PyExc_TypeError, "graph must be a flybatch Graph (a _core.Store)");
+    store_ = reinterpret_cast<flybatch::Store*>(graph);
+    const flybatch::Columns& c = *store_->nodes;
+    if (end > flybatch::n_nodes(store_))
+      fail(PyExc_ValueError, "the graph has " + std::to_string(flybatch::n_nodes(store_)) +
+                                 " nodes; nodes up to " + std::to_string(end - 1) +
+                                 " were asked for");
+    nodes.start = begin;
+    nodes.n = node_count(begin, end);
+    nodes.sig = c.sig.data() + begin;
+    if (with_depth) nodes.depth = c.depth.data() + begin;  // the strategies read it
+    nodes.arg_ptr = c.arg_ptr.size() ? c.arg_ptr.data() + begin : kNoInputs;
+    nodes.arg_flat = c.arg_flat.data();
+    flybatch::check_nodes(nodes);
+    flags_.resize(flybatch::op_count());
+    for (std::size_t code = 0; code < flags_.size(); ++code) {
+      PyObject* op = flybatch::op_object(static_cast<std::int32_t>(code));
+      flags_[code] = {flag(op, "leaf"), flag(op, "cheap")};
     }
-    buffer.emplace(out, name, size);
-    return buffer->data();
   }
 
-  std::vector<i64> sig_, depth_, ptr_, flat_;
-  std::optional<Int64Buffer> ptr_out_, flat_out_;
+  flybatch::OpFlags operator()(i64 node) const { return flags_[store_->nodes->op[node]]; }
+
+  // This slice's inputs as a CSR array of its own (offsets from its first input), for the
+  // executor.
+  void copy_inputs(PyObject* arg_ptr_out, PyObject* arg_flat_out) const {
+    const i64 first = nodes.arg_ptr[0], count = nodes.arg_ptr[nodes.n] - first;
+    Int64Buffer ptr(arg_ptr_out, "arg_ptr_out", nodes.n + 1);
+    Int64Buffer flat(arg_flat_out, "arg_flat_out", count);
+    for (i64 v = 0; v <= nodes.n; ++v) ptr.data()[v] = nodes.arg_ptr[v] - first;
+    if (count) std::memcpy(flat.data(), nodes.arg_flat + first, count * sizeof(i64));
+  }
+
+  flybatch::Nodes nodes;
+
+ private:
+  static constexpr i64 kNoInputs[1] = {0};  // arg_ptr of an empty store
+
+  static bool flag(PyObject* op, const char* name) {
+    PyObject* value = PyObject_GetAttrString(op, name);
+    if (!value) throw PythonError{};
+    const int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (truth < 0) throw PythonError{};
+    return truth;
+  }
+
+  flybatch::Store* store_;
+  std::vector<flybatch::OpFlags> flags_;
+};
+
+// The nodes and op flags of a scheduling call: a graph's columns read in place, or (for tests
+// of the core on small hand-made DAGs) lists of ints and a list of ops.
+class Source {
+ public:
+  Source(PyObject* graph, PyObject* sigs, PyObject* arg_end, PyObject* arg_flat, PyObject* ops,
+         i64 begin, i64 end) {
+    if (graph && graph != Py_None) {
+      graph_.emplace(graph, begin, end);
+      return;
+    }
+    if (!sigs || !arg_end || !arg_flat || !ops)
+      fail(PyExc_TypeError, "pass graph=, or sigs=, arg_end=, arg_flat= and ops=");
+    slice_.emplace(sigs, arg_end, arg_flat, begin, end);
+    table_.emplace(ops);
+  }
+
+  const flybatch::Nodes& nodes() const { return graph_ ? graph_->nodes : slice_->nodes; }
+  flybatch::OpFlags operator()(i64 node) { return graph_ ? (*graph_)(node) : (*table_)(node); }
+
+ private:
+  std::optional<GraphSlice> graph_;
+  std::optional<ListSlice> slice_;
+  std::optional<OpTable> table_;
 };
 
 // graph.forward_ends as the core's forwards: those that ended within the first n nodes, then
@@ -207,34 +274,32 @@ flybatch::Strategy strategy_of(const std::string& name) {
 }
 
 const char kScheduleDoc[] =
-    "schedule(strategy, start, end, sigs, depths, arg_end, arg_flat, ops, node_batch, node_row,\n"
-    "         first_batch, arg_ptr_out, arg_flat_out, order_out, ends_out) -> int\n\n"
-    "Batch the store's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'). Writes each\n"
-    "node's (batch, row) into node_batch/node_row, this forward's inputs as a CSR array\n"
-    "(arg_ptr_out, relative to arg_flat_out) and the node ids of the batches, in batch and row\n"
-    "order, into order_out, with the end of each batch in ends_out. Returns the number of\n"
-    "batches.";
+    "schedule(strategy, graph, start, end, node_batch, node_row, first_batch, arg_ptr_out,\n"
+    "         arg_flat_out, order_out, ends_out) -> int\n\n"
+    "Batch the graph's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'), reading its\n"
+    "columns in place. Writes each node's (batch, row) into node_batch/node_row, this forward's\n"
+    "inputs as a CSR array (arg_ptr_out, relative to arg_flat_out) and the node ids of the\n"
+    "batches, in batch and row order, into order_out, with the end of each batch in ends_out.\n"
+    "Returns the number of batches.";
 
 PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {
-      "strategy",   "start",       "end",         "sigs",         "depths",
-      "arg_end",    "arg_flat",    "ops",         "node_batch",   "node_row",
-      "first_batch", "arg_ptr_out", "arg_flat_out", "order_out",   "ends_out", nullptr};
+      "strategy",    "graph",       "start",        "end",       "node_batch", "node_row",
+      "first_batch", "arg_ptr_out", "arg_flat_out", "order_out", "ends_out",   nullptr};
   const char* strategy_name;
   long long start, end, first_batch;
-  PyObject *sigs, *depths, *arg_end, *arg_flat, *ops, *node_batch, *node_row, *arg_ptr_out,
-      *arg_flat_out, *order_out, *ends_out;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sLLOOOOOOOLOOOO:schedule",
-                                   const_cast<char**>(names), &strategy_name, &start, &end, &sigs,
-                                   &depths, &arg_end, &arg_flat, &ops, &node_batch, &node_row,
-                                   &first_batch, &arg_ptr_out, &arg_flat_out, &order_out,
-                                   &ends_out))
+  PyObject *graph, *node_batch, *node_row, *arg_ptr_out, *arg_flat_out, *order_out, *ends_out;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOLLOOLOOOO:schedule",
+                                   const_cast<char**>(names), &strategy_name, &graph, &start,
+                                   &end, &node_batch, &node_row, &first_batch, &arg_ptr_out,
+                                   &arg_flat_out, &order_out, &ends_out))
     return nullptr;
   return guarded([&]() -> PyObject* {
     const flybatch::Strategy strategy = strategy_of(strategy_name);
-    // This forward's inputs go straight into the arrays the executor reads them from.
-    const StoreSlice store(sigs, depths, arg_end, arg_flat, start, end, arg_ptr_out, arg_flat_out);
+    const GraphSlice store(graph, start, end, /*with_depth=*/true);
     const flybatch::Nodes& nodes = store.nodes;
+    // This forward's inputs go into the arrays the executor reads them from.
+    store.copy_inputs(arg_ptr_out, arg_flat_out);
     Int64Buffer batch_of(node_batch, "node_batch", end), row_of(node_row, "node_row", end);
     Int64Buffer order(order_out, "order_out", nodes.n), ends(ends_out, "ends_out", nodes.n);
     flybatch::Placement out;
@@ -243,39 +308,42 @@ PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
     out.first_batch = first_batch;
     out.order = order.data();
     out.ends = ends.data();
-    OpTable table(ops);
     return PyLong_FromLongLong(
-        flybatch::schedule(strategy, nodes, [&](i64 node) { return table(node); }, out));
+        flybatch::schedule(strategy, nodes, [&](i64 node) { return store(node); }, out));
   });
 }
 
 const char kLowerBoundDoc[] =
-    "lower_bound(n, sigs, arg_end, arg_flat, ops, forward_ends, tight=False) -> int\n\n"
-    "Launches no schedule of the store's first n nodes can beat: in each forward (forward_ends:\n"
+    "lower_bound(n, forward_ends, graph=None, tight=False, *, sigs, arg_end, arg_flat, ops)\n"
+    "    -> int\n\n"
+    "Launches no schedule of the graph's first n nodes (its columns, read in place; or the\n"
+    "lists sigs, arg_end, arg_flat, ops of a hand-made DAG) can beat: in each forward (forward_ends:\n"
     "where each ended; nodes after the last are one more), for each signature the most nodes of\n"
     "it on one dependency path, summed. With tight, that plus what pairs of signatures that\n"
     "interleave differently on different paths must add (csrc/schedule.cpp, tight_bound_of).";
 
 PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n",   "sigs",         "arg_end", "arg_flat",
-                                "ops", "forward_ends", "tight",   nullptr};
+  static const char* names[] = {"n",   "forward_ends", "graph", "tight", "sigs", "arg_end",
+                                "arg_flat", "ops", nullptr};
   long long n;
-  PyObject *sigs, *arg_end, *arg_flat, *ops, *forward_ends;
+  PyObject *forward_ends, *graph = nullptr, *sigs = nullptr, *arg_end = nullptr,
+                          *arg_flat = nullptr, *ops = nullptr;
   int tight = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOO|p:lower_bound", const_cast<char**>(names),
-                                   &n, &sigs, &arg_end, &arg_flat, &ops, &forward_ends, &tight))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LO|Op$OOOO:lower_bound",
+                                   const_cast<char**>(names), &n, &forward_ends, &graph, &tight,
+                                   &sigs, &arg_end, &arg_flat, &ops))
     return nullptr;
   return guarded([&]() -> PyObject* {
-    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
+    Source source(graph, sigs, arg_end, arg_flat, ops, 0, n);
     const std::vector<i64> cuts = forward_cuts(forward_ends, n);
-    OpTable table(ops);
     const auto bound = tight ? flybatch::tight_bound : flybatch::lower_bound;
-    return PyLong_FromLongLong(bound(store.nodes, cuts, [&](i64 node) { return table(node); }));
+    return PyLong_FromLongLong(
+        bound(source.nodes(), cuts, [&](i64 node) { return source(node); }));
   });
 }
 
 const char kSplitsDoc[] =
-    "signature_splits(n, sigs, arg_end, arg_flat, ops, forward_ends, node_batch)\n"
+    "signature_splits(n, graph, forward_ends, node_batch)\n"
     "    -> dict[int, tuple[int, dict[int, int]]]\n\n"
     "Per signature of the store's first n nodes that launches a kernel: its lower bound (summed\n"
     "over forwards) and what its nodes that missed their (signature, rank) group's first launch\n"
@@ -283,21 +351,19 @@ const char kSplitsDoc[] =
     "the schedule put each node).";
 
 PyObject* py_signature_splits(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n",   "sigs",         "arg_end",    "arg_flat",
-                                "ops", "forward_ends", "node_batch", nullptr};
+  static const char* names[] = {"n", "graph", "forward_ends", "node_batch", nullptr};
   long long n;
-  PyObject *sigs, *arg_end, *arg_flat, *ops, *forward_ends, *node_batch;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOOOOO:signature_splits",
-                                   const_cast<char**>(names), &n, &sigs, &arg_end, &arg_flat, &ops,
-                                   &forward_ends, &node_batch))
+  PyObject *graph, *forward_ends, *node_batch;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOO:signature_splits",
+                                   const_cast<char**>(names), &n, &graph, &forward_ends,
+                                   &node_batch))
     return nullptr;
   return guarded([&]() -> PyObject* {
-    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, 0, n);
+    const GraphSlice store(graph, 0, n);
     const std::vector<i64> cuts = forward_cuts(forward_ends, n);
     Int64Buffer batch_of(node_batch, "node_batch", n);
-    OpTable table(ops);
     const std::vector<flybatch::SignatureSplit> splits = flybatch::signature_splits(
-        store.nodes, cuts, [&](i64 node) { return table(node); }, batch_of.data());
+        store.nodes, cuts, [&](i64 node) { return store(node); }, batch_of.data());
     PyObject* out = PyDict_New();
     if (!out) throw PythonError{};
     for (const flybatch::SignatureSplit& split : splits) {
@@ -326,24 +392,22 @@ PyObject* py_signature_splits(PyObject*, PyObject* args, PyObject* kwargs) {
 }
 
 const char kRanksDoc[] =
-    "signature_ranks(start, end, sigs, arg_end, arg_flat, ops) -> list[int]\n\n"
+    "signature_ranks(start, end, graph) -> list[int]\n\n"
     "For each of the store's nodes start..end-1 (one forward), the most nodes of its signature\n"
     "on any path of that forward ending at it; leaves (no launch) get 0. The agenda runs each\n"
     "(signature, rank) group as one batch; the lower bound sums each signature's highest rank.";
 
 PyObject* py_signature_ranks(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"start", "end", "sigs", "arg_end", "arg_flat", "ops", nullptr};
+  static const char* names[] = {"start", "end", "graph", nullptr};
   long long start, end;
-  PyObject *sigs, *arg_end, *arg_flat, *ops;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLOOOO:signature_ranks",
-                                   const_cast<char**>(names), &start, &end, &sigs, &arg_end,
-                                   &arg_flat, &ops))
+  PyObject* graph;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLO:signature_ranks",
+                                   const_cast<char**>(names), &start, &end, &graph))
     return nullptr;
   return guarded([&]() -> PyObject* {
-    const StoreSlice store(sigs, nullptr, arg_end, arg_flat, start, end);
-    OpTable table(ops);
+    const GraphSlice store(graph, start, end);
     const std::vector<std::int32_t> ranks =
-        flybatch::signature_ranks(store.nodes, [&](i64 node) { return table(node); });
+        flybatch::signature_ranks(store.nodes, [&](i64 node) { return store(node); });
     PyObject* list = PyList_New(static_cast<Py_ssize_t>(ranks.size()));
     if (!list) throw PythonError{};
     for (std::size_t i = 0; i < ranks.size(); ++i) {

@@ -144,6 +144,9 @@ std::int32_t KeyTable::insert(const i64* key, std::size_t n, std::uint64_t hash)
 // ---- the store ---------------------------------------------------------------------------------
 i64 n_nodes(const Store* s) { return s->nodes->op.size(); }
 
+std::size_t op_count() { return g_ops.size(); }
+PyObject* op_object(std::int32_t code) { return g_ops[code]; }
+
 void check_open(const Store* s) {
   if (s->closed)
     raise(g_graph_error, "this graph is closed; create a new one (fb.Graph() / fb.new_graph())");
@@ -327,7 +330,6 @@ int store_traverse(PyObject* self, visitproc visit, void* arg) {
   if (s->attrs)
     for (PyObject* a : *s->attrs) Py_VISIT(a);
   Py_VISIT(s->origin_hook);
-  for (PyObject* m : s->mirrors) Py_VISIT(m);
   return 0;
 }
 
@@ -336,7 +338,6 @@ int store_clear(PyObject* self) {
   clear_attrs(s);
   clear_caches(s);
   Py_CLEAR(s->origin_hook);
-  for (PyObject*& m : s->mirrors) Py_CLEAR(m);
   return 0;
 }
 
@@ -509,11 +510,11 @@ PyObject* store_is_no_grad(PyObject* self, PyObject* arg) {
       [&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
 }
 
-enum ColumnName { kSigs, kDepths, kArgEnd, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kUnknown };
+enum ColumnName { kSigs, kDepths, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kUnknown };
 
 ColumnName column_name(PyObject* name) {
-  static const char* names[] = {"sigs", "depths", "arg_end", "arg_flat", "ops",
-                                "arg_ptr", "shapes", "no_grad"};
+  static const char* names[] = {"sigs", "depths", "arg_flat", "ops", "arg_ptr", "shapes",
+                                "no_grad"};
   const char* text = PyUnicode_AsUTF8(name);
   if (!text) throw PythonError{};
   for (int i = 0; i < kUnknown; ++i)
@@ -545,40 +546,6 @@ PyObject* store_view(PyObject* self, PyObject* name) {
       case kNoGrad: return c.no_grad.view(n);
       default: raise(PyExc_KeyError, "no column %R", name);
     }
-  });
-}
-
-const char kColumnDoc[] =
-    "column(name) -> list\n\n"
-    "A column as a Python list ('sigs', 'depths', 'arg_end', 'arg_flat', 'ops'), for readers\n"
-    "of lists. The list is kept and extended by the nodes added since the last call, so asking\n"
-    "once per forward costs the new nodes only; do not modify it.";
-
-PyObject* store_column(PyObject* self, PyObject* name) {
-  Store* s = as_store(self);
-  return guarded([&]() -> PyObject* {
-    const ColumnName which = column_name(name);
-    if (which > kOps) raise(PyExc_KeyError, "no list column %R", name);
-    PyObject*& list = s->mirrors[which];
-    if (!list && !(list = PyList_New(0))) throw PythonError{};
-    Columns& c = *s->nodes;
-    const i64 n = n_nodes(s);
-    const i64 end = which == kArgFlat ? (n ? c.arg_ptr[n] : 0) : n;
-    for (i64 i = PyList_GET_SIZE(list); i < end; ++i) {
-      PyObject* item;
-      switch (which) {
-        case kSigs: item = PyLong_FromLongLong(c.sig[i]); break;
-        case kDepths: item = PyLong_FromLongLong(c.depth[i]); break;
-        case kArgEnd: item = PyLong_FromLongLong(c.arg_ptr[i + 1]); break;
-        case kArgFlat: item = PyLong_FromLongLong(c.arg_flat[i]); break;
-        default: item = Py_NewRef(g_ops[c.op[i]]);
-      }
-      if (!item) throw PythonError{};
-      const int failed = PyList_Append(list, item);
-      Py_DECREF(item);
-      if (failed) throw PythonError{};
-    }
-    return Py_NewRef(list);
   });
 }
 
@@ -625,7 +592,6 @@ PyMethodDef kStoreMethods[] = {
     {"sig_of", store_sig_of, METH_O, "sig_of(node) -> int: the node's interned signature"},
     {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
     {"view", store_view, METH_O, kViewDoc},
-    {"column", store_column, METH_O, kColumnDoc},
     {"set_parameter_tag",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_set_parameter_tag)),
      METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},

@@ -122,7 +122,6 @@ struct Store {
   std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
   std::unordered_map<PyObject*, i64>* parameters;        // parameter tensor -> its node
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
-  PyObject* mirrors[5];              // lists kept for readers of Python lists (Store.column)
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
 };
@@ -141,6 +140,10 @@ extern PyObject* g_tensor_type;     // torch.Tensor
 extern PyTypeObject ExpressionBase;
 
 i64 n_nodes(const Store* s);
+// The op table shared by every graph: how many op codes there are, and the ops.Op of a code
+// (borrowed; ops are module constants, kept for the life of the process).
+std::size_t op_count();
+PyObject* op_object(std::int32_t code);
 // The store's op code of `op` (an ops.Op), registering it on first sight.
 std::int32_t op_code(PyObject* op);
 std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n);

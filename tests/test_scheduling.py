@@ -38,12 +38,12 @@ def _inputs_within(g: fb.Graph, nodes: range) -> dict[int, list[int]]:
 
 def _count(path: list[int], sig: int, g: fb.Graph) -> int:
     """Nodes of signature `sig` on `path` that launch a kernel (leaves do not)."""
-    return sum(g.sigs[u] == sig and not g.ops[u].leaf for u in path)
+    return sum(g.sig_of(u) == sig and not g.op_of(u).leaf for u in path)
 
 
 def _brute_force_rank(g: fb.Graph, v: int, nodes: range) -> int:
     """The most nodes of v's signature on any path of v's forward ending at v."""
-    return max(_count(p, g.sigs[v], g) for p in _paths_ending_at(v, _inputs_within(g, nodes)))
+    return max(_count(p, g.sig_of(v), g) for p in _paths_ending_at(v, _inputs_within(g, nodes)))
 
 
 def _brute_force_lower_bound(g: fb.Graph) -> int:
@@ -52,7 +52,7 @@ def _brute_force_lower_bound(g: fb.Graph) -> int:
     for nodes in _forwards(g):
         inputs = _inputs_within(g, nodes)
         paths = [p for v in nodes for p in _paths_ending_at(v, inputs)]
-        bound += sum(max(_count(p, sig, g) for p in paths) for sig in {g.sigs[v] for v in nodes})
+        bound += sum(max(_count(p, sig, g) for p in paths) for sig in {g.sig_of(v) for v in nodes})
     return bound
 
 
@@ -84,8 +84,7 @@ def test_signature_ranks_are_the_most_nodes_of_a_signature_on_a_path_ending_ther
     with fb.Graph() as g:
         _random_graph(steps)
         for nodes in _forwards(g):
-            ranks = _core.signature_ranks(start=nodes.start, end=nodes.stop, sigs=g.sigs,
-                                          arg_end=g.arg_end, arg_flat=g.arg_flat, ops=g.ops)
+            ranks = _core.signature_ranks(start=nodes.start, end=nodes.stop, graph=g)
             assert ranks == [_brute_force_rank(g, v, nodes) for v in nodes]
 
 
@@ -182,7 +181,7 @@ def test_every_batch_holds_one_signature_and_no_node_depends_on_another(strategy
             batches.setdefault(int(g.node_batch[v]), []).append(v)
         inputs = {v: list(g.args_of(v)) for v in range(g.n_nodes)}
         for nodes in batches.values():
-            assert len({g.sigs[v] for v in nodes}) == 1
+            assert len({g.sig_of(v) for v in nodes}) == 1
             assert sorted(int(g.node_row[v]) for v in nodes) == list(range(len(nodes)))
             for v in nodes:
                 ancestors = {u for path in _paths_ending_at(v, inputs) for u in path[:-1]}
@@ -268,8 +267,8 @@ with fb.Graph(strategy="agenda") as g:
     plan = scheduling.schedule(g, 0, n)
     bound = stats.lower_bound(g)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    launches = sum(not g.ops[int(b[0])].leaf for b in plan.batches)
-    print(json.dumps({"nodes": n, "signatures": len(set(g.sigs)), "expected": expected,
+    launches = sum(not g.op_of(int(b[0])).leaf for b in plan.batches)
+    print(json.dumps({"nodes": n, "signatures": len(set(g.view("sigs"))), "expected": expected,
                       "launches": launches, "lower_bound": bound, "grown_kb": grown}))
 """
 

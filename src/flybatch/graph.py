@@ -216,13 +216,6 @@ class Graph(_core.Store):
     def _record_origin(self, node: int) -> None:
         self.origins[node] = _user_line()
 
-    # The columns as Python lists, for readers of lists (extended, not rebuilt, per call).
-    sigs = property(lambda self: self.column("sigs"))
-    depths = property(lambda self: self.column("depths"))
-    arg_end = property(lambda self: self.column("arg_end"))
-    arg_flat = property(lambda self: self.column("arg_flat"))
-    ops = property(lambda self: self.column("ops"))
-
     def parameter_node(self, tensor: torch.Tensor) -> int:
         """The one node of `tensor` in this graph, so every use of it shares its signature."""
         key = ("parameter", id(tensor))

@@ -21,8 +21,8 @@ Scheduling also fixes where each node's value will live (`graph.node_batch/node_
 the rows of each batch by where its most recent input lives, so that the next batch usually
 finds its inputs as a contiguous, in-order run of an earlier result and reads them without a copy.
 
-The algorithms are the compiled core's (csrc/schedule.cpp), linear in nodes + edges; this
-module gathers the node store's arrays for it and turns its answer into a `Schedule`.
+The algorithms are the compiled core's (csrc/schedule.cpp), linear in nodes + edges; they read the
+node store's columns in place; this module allocates the output arrays and turns its answer into a `Schedule`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Schedule:
         """One line per batch: global index, size and readable signature."""
         return "\n".join(
             f"{self.first_batch + i:5d}  x{len(b):<5d} "
-            f"{signatures.describe(graph.sigs[int(b[0])], graph)}"
+            f"{signatures.describe(graph.sig_of(int(b[0])), graph)}"
             for i, b in enumerate(self.batches))
 
     def __repr__(self) -> str:
@@ -66,14 +66,12 @@ class Schedule:
 def schedule(graph: "Graph", start: int, end: int) -> Schedule:
     """Batch the nodes `start..end-1` of `graph` with the graph's strategy."""
     n = end - start
-    first_arg = graph.arg_end[start - 1] if start else 0
+    arg_ptr = graph.view("arg_ptr")
     plan = Schedule(start, len(graph.values), [], np.empty(n + 1, np.int64),
-                    np.empty(graph.arg_end[end - 1] - first_arg, np.int64))
+                    np.empty(arg_ptr[end] - arg_ptr[start], np.int64))
     order, ends = np.empty(n, np.int64), np.empty(n, np.int64)
     count = _core.schedule(
-        strategy=graph.strategy, start=start, end=end, sigs=graph.sigs, depths=graph.depths,
-        arg_end=graph.arg_end, arg_flat=graph.arg_flat, ops=graph.ops,
-        node_batch=graph.node_batch, node_row=graph.node_row, first_batch=plan.first_batch,
+        strategy=graph.strategy, graph=graph, start=start, end=end, node_batch=graph.node_batch, node_row=graph.node_row, first_batch=plan.first_batch,
         arg_ptr_out=plan.arg_ptr, arg_flat_out=plan.arg_flat, order_out=order, ends_out=ends)
     bounds = ends[:count].tolist()
     plan.batches = [order[a:b] for a, b in zip([0, *bounds], bounds)]

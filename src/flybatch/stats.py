@@ -105,15 +105,14 @@ def lower_bound(graph: "Graph", n: int | None = None, tight: bool = False) -> in
     """The lower bound (with `tight`, the tight bound) over the first `n` nodes (default: all),
     summed over forwards."""
     return _core.lower_bound(
-        n=graph.n_nodes if n is None else n, sigs=graph.sigs, arg_end=graph.arg_end,
-        arg_flat=graph.arg_flat, ops=graph.ops, forward_ends=graph.forward_ends, tight=tight)
+        n=graph.n_nodes if n is None else n, graph=graph, forward_ends=graph.forward_ends,
+        tight=tight)
 
 
 def splits(graph: "Graph", n: int) -> dict[str, tuple[int, Counter]]:
     """Per signature of the first `n` (scheduled) nodes: its bound and what it waited on."""
     found = _core.signature_splits(
-        n=n, sigs=graph.sigs, arg_end=graph.arg_end, arg_flat=graph.arg_flat, ops=graph.ops,
-        forward_ends=graph.forward_ends, node_batch=graph.node_batch)
+        n=n, graph=graph, forward_ends=graph.forward_ends, node_batch=graph.node_batch)
     out: dict[str, tuple[int, Counter]] = {}
     for sig, (bound, waited) in found.items():
         name = signatures.describe(sig, graph)
