@@ -97,6 +97,16 @@ class Int64Buffer {
 };
 
 // `leaf` and `cheap` of the ops of a list (one per node), read once per distinct op object.
+// The truth of an Op's flag attribute (`leaf`, `cheap`), read once per op per call.
+bool op_flag(PyObject* op, const char* name) {
+  PyObject* value = PyObject_GetAttrString(op, name);
+  if (!value) throw PythonError{};
+  const int truth = PyObject_IsTrue(value);
+  Py_DECREF(value);
+  if (truth < 0) throw PythonError{};
+  return truth;
+}
+
 class OpTable {
  public:
   explicit OpTable(PyObject* ops) : ops_(ops) {
@@ -113,22 +123,13 @@ class OpTable {
     PyObject* op = PyList_GET_ITEM(ops_, node);
     const auto found = seen_.find(op);
     if (found != seen_.end()) return found->second;
-    const flybatch::OpFlags flags{flag(op, "leaf"), flag(op, "cheap")};
+    const flybatch::OpFlags flags{op_flag(op, "leaf"), op_flag(op, "cheap")};
     Py_INCREF(op);  // the key must outlive this call even if the list changes
     seen_.emplace(op, flags);
     return flags;
   }
 
  private:
-  static bool flag(PyObject* op, const char* name) {
-    PyObject* value = PyObject_GetAttrString(op, name);
-    if (!value) throw PythonError{};
-    const int truth = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    if (truth < 0) throw PythonError{};
-    return truth;
-  }
-
   PyObject* ops_;
   std::unordered_map<PyObject*, flybatch::OpFlags> seen_;
 };
@@ -191,7 +192,7 @@ class GraphSlice {
     flags_.resize(flybatch::op_count());
     for (std::size_t code = 0; code < flags_.size(); ++code) {
       PyObject* op = flybatch::op_object(static_cast<std::int32_t>(code));
-      flags_[code] = {flag(op, "leaf"), flag(op, "cheap")};
+      flags_[code] = {op_flag(op, "leaf"), op_flag(op, "cheap")};
     }
   }
 
@@ -211,15 +212,6 @@ class GraphSlice {
 
  private:
   static constexpr i64 kNoInputs[1] = {0};  // arg_ptr of an empty store
-
-  static bool flag(PyObject* op, const char* name) {
-    PyObject* value = PyObject_GetAttrString(op, name);
-    if (!value) throw PythonError{};
-    const int truth = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    if (truth < 0) throw PythonError{};
-    return truth;
-  }
 
   flybatch::Store* store_;
   std::vector<flybatch::OpFlags> flags_;
