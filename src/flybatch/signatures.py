@@ -2,7 +2,8 @@
 
 A signature key is a small tuple chosen by the op (see `ops.py`): the op name and whatever the
 batched kernel needs to be identical across the batch (input shapes, the shared parameter,
-slice bounds...). Each graph interns its keys into dense ints of its own (`Graph.add`), so that
+slice bounds...). Each graph interns its keys into dense ints of its own (the node store,
+csrc/store.cpp: `graph.sig_ids` key -> int, `graph.sig_keys` int -> key), so that
 scheduling compares and sorts plain integers, and the table lives and dies with the graph: a
 training loop that meets new shapes in every minibatch keeps none of them. `describe` turns an
 int back into something a person can read in `stats()`.
@@ -18,14 +19,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .graph import Graph
-
-
-def intern(graph: "Graph", key: tuple) -> int:
-    """The next int of `graph` for `key`, a key it has not seen yet (`Graph.add` reads the ints
-    of known keys itself: one dict read per node)."""
-    sig = graph.sig_ids[key] = len(graph.sig_keys)
-    graph.sig_keys.append(key)
-    return sig
 
 
 def tag(graph: "Graph", obj: object) -> tuple[str, int]:
@@ -47,13 +40,9 @@ def remember(graph: "Graph", obj: object, *facts: object) -> tuple:
     return entry
 
 
-def describe(sig: int, graph: "Graph | None" = None) -> str:
-    """A readable form of signature `sig` of `graph` (by default the current graph, as for ops),
+def describe(sig: int, graph: "Graph") -> str:
+    """A readable form of signature `sig` of `graph` (an int means nothing outside its graph),
     e.g. `matmul[param](64, 96)(96,)` or `tanh(64,)`."""
-    if graph is None:
-        from .graph import current_graph  # graph.py imports this module
-
-        graph = current_graph()
     name, *rest = graph.sig_keys[sig]
     return name + "".join(_describe(item) for item in rest)
 
