@@ -757,7 +757,21 @@ PyObject* expr_div(PyObject* a, PyObject* b) { return operator_rule(kDiv, a, b);
 PyObject* expr_matmul(PyObject* a, PyObject* b) { return operator_rule(kMatmul, a, b); }
 PyObject* expr_neg(PyObject* a) { return operator_rule(kNeg, a, nullptr); }
 
-// x[i] picks, x[a:b] slices (no step); anything else is an IndexError.
+// Any other index (a tuple, None, ..., a step, a tensor) goes to `flybatch.ops._getitem`, the
+// torch-semantics indexing of the capture layer (flybatch/capture.py), set when it is imported.
+PyObject* getitem_fallback(PyObject* x, PyObject* index) {
+  PyObject* fallback = PyObject_GetAttrString(g_ops_module, "_getitem");
+  if (!fallback) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_IndexError, "unsupported index %R: use an int or a slice", index);
+    return nullptr;
+  }
+  PyObject* out = PyObject_CallFunctionObjArgs(fallback, x, index, nullptr);
+  Py_DECREF(fallback);
+  return out;
+}
+
+// x[i] picks, x[a:b] slices (step 1) in C, the common cases of per-instance code.
 PyObject* expr_getitem(PyObject* x, PyObject* index) {
   if (PySlice_Check(index)) {
     PySliceObject* s = reinterpret_cast<PySliceObject*>(index);
@@ -766,10 +780,7 @@ PyObject* expr_getitem(PyObject* x, PyObject* index) {
       const int is_one = one ? PyObject_RichCompareBool(s->step, one, Py_EQ) : -1;
       Py_XDECREF(one);
       if (is_one < 0) return nullptr;
-      if (!is_one) {
-        PyErr_SetString(PyExc_IndexError, "slicing with a step is not supported");
-        return nullptr;
-      }
+      if (!is_one) return getitem_fallback(x, index);
     }
     Expression* e = as_expression(x);
     std::size_t nd;
@@ -797,8 +808,7 @@ PyObject* expr_getitem(PyObject* x, PyObject* index) {
     PyObject* argv[2] = {x, index};
     return call_rule(reinterpret_cast<Rule*>(g_rules[kPick]), argv, 2, argv + 1);
   }
-  PyErr_Format(PyExc_IndexError, "unsupported index %R: use an int or a slice", index);
-  return nullptr;
+  return getitem_fallback(x, index);
 }
 
 const char kOperatorsDoc[] =
