@@ -241,9 +241,16 @@ def test_after_a_failing_forward_is_fixed_the_graph_computes_one_shot_values():
 
 # ---- other misuse --------------------------------------------------------------------------------
 def test_a_parameter_of_another_dtype_raises_type_error_at_the_call():
-    with fb.Graph():  # float32
+    with fb.Graph(dtype=torch.float32):
         with pytest.raises(TypeError, match="float64"):
             torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)) @ fb.input([1.0, 2.0])
+
+
+def test_a_parameter_of_another_dtype_than_the_first_one_met_raises_type_error():
+    with fb.Graph():  # no dtype: the first parameter fixes it
+        torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64)) @ fb.input([1.0, 2.0])
+        with pytest.raises(TypeError, match="float32"):
+            torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float32)) @ fb.input([1.0, 2.0])
 
 
 def test_a_float_or_bool_index_raises_type_error_at_the_call():

@@ -21,6 +21,7 @@ from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, drop
 from .stats import Stats
 from .concurrent import MapBatchedError, map_batched
 from . import nn  # noqa: E402  (needs the ops above)
+from . import capture  # noqa: E402,F401  (torch calls on expressions become nodes)
 from . import distributed  # noqa: E402  (fb.distributed: data-parallel training)
 
 __all__ = [

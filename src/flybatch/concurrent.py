@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import greenlet
 import torch
 
+from . import capture
 from .graph import Graph, _current, current_graph
 
 __all__ = ["MapBatchedError", "map_batched"]
@@ -190,6 +191,7 @@ def map_batched(fn: Callable[[T], R], items: Iterable[T], graph: Graph | None = 
     instances = [_Instance(run, i, fn) for i in range(len(items))]
     results: list[Any] = [None] * len(items)
     hook = _install(g)
+    capture.push()  # torch calls in `fn` on expressions and parameters become nodes of `g`
     try:
         waiting: list[_Instance] = []
 
@@ -223,6 +225,7 @@ def map_batched(fn: Callable[[T], R], items: Iterable[T], graph: Graph | None = 
                     pass
         raise
     finally:
+        capture.pop()
         _uninstall(g, hook)
         instances.clear()
     return results

@@ -61,7 +61,12 @@ class Op:
 
 
 def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
-    return torch.stack([graph.attr_of(n) for n in nodes]).to(graph.device, graph.dtype)
+    stacked = torch.stack([graph.attr_of(n) for n in nodes])
+    # Integer and bool inputs (index tensors, class targets) keep their dtype: their nodes have a
+    # signature of their own (see `Graph.input_node`), so they never share a batch with floats.
+    if stacked.is_floating_point():
+        return stacked.to(graph.device, graph.dtype)
+    return stacked.to(graph.device)
 
 
 def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
@@ -100,14 +105,19 @@ class Expression(_core.Expression):
         """This node's value, running one batched forward over every pending node if needed."""
         return self.graph.value_of(self.id)
 
+    # The peeks below work on the value with the capture of torch calls off (capture.py):
+    # inside `with fb.Graph()` a `.detach()` of a value that requires grad would be recorded.
     def item(self) -> float:
-        return self.value().detach().item()
+        with _no_capture():
+            return self.value().detach().item()
 
     def numpy(self) -> np.ndarray:
-        return self.value().detach().cpu().numpy()
+        with _no_capture():
+            return self.value().detach().cpu().numpy()
 
     def argmax(self) -> int:
-        return int(self.value().detach().argmax())
+        with _no_capture():
+            return int(self.value().detach().argmax())
 
     def backward(self, retain_graph: bool = True) -> None:
         """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does.
@@ -119,33 +129,44 @@ class Expression(_core.Expression):
         self.graph.backward(self, retain_graph=retain_graph)
 
     def __float__(self) -> float:
-        return float(self.value().detach())
+        with _no_capture():
+            return float(self.value().detach())
 
     def __int__(self) -> int:
-        return int(self.value().detach())
+        with _no_capture():
+            return int(self.value().detach())
 
     def __bool__(self) -> bool:
-        return bool(self.value().detach())
+        with _no_capture():
+            return bool(self.value().detach())
 
     # Comparisons ask for the value (so control flow can depend on it). `==` and `!=` keep
     # identity semantics so that expressions stay usable as dict keys and in `in` tests.
     def __lt__(self, other: Any) -> bool:
-        return bool(self.value() < _plain(other))
+        with _no_capture():
+            return bool(self.value() < _plain(other))
 
     def __le__(self, other: Any) -> bool:
-        return bool(self.value() <= _plain(other))
+        with _no_capture():
+            return bool(self.value() <= _plain(other))
 
     def __gt__(self, other: Any) -> bool:
-        return bool(self.value() > _plain(other))
+        with _no_capture():
+            return bool(self.value() > _plain(other))
 
     def __ge__(self, other: Any) -> bool:
-        return bool(self.value() >= _plain(other))
+        with _no_capture():
+            return bool(self.value() >= _plain(other))
 
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
         state = "done" if self.id < self.graph.n_done else "pending"
         return f"Expression(#{self.id} {self.op} {self.shape}, {state})"
+
+
+# Flybatch's own tensor work (values, inputs, kernels) runs with the capture of torch calls off.
+_no_capture = torch._C.DisableTorchFunction
 
 
 def _plain(x: Any) -> Any:
@@ -165,17 +186,25 @@ class Graph(_core.Store):
     """
 
     def __init__(self, strategy: str = "auto", device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, debug: bool = False):
+                 dtype: torch.dtype | None = None, debug: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             # Values and gradients are computed in this dtype: anything else fails only at the
             # first forward, far from the mistake.
             raise TypeError(f"Graph: dtype must be a floating torch dtype (torch.float32, "
                             f"torch.float64, ...), got {dtype!r}")
         self.strategy = strategy
         self.device = torch.device(device) if device is not None else None
-        self.dtype = dtype
+        # Without `dtype`, the first floating parameter or input tensor met fixes it, as the
+        # first one fixes the device (see `dtype`).
+        self._dtype = dtype
+        # dtypes of the nodes that are not of the graph's floating dtype (integer inputs, the
+        # indices of a captured `topk`...): node -> dtype.
+        self.node_dtypes: dict[int, torch.dtype] = {}
+        # Plain tensors written in place with expressions by captured torch code
+        # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
+        self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
         # The node store is the compiled base class, with this graph's signature table
         # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
         # `stats()` can still describe the launches).
@@ -209,6 +238,19 @@ class Graph(_core.Store):
         self._entries: list[contextvars.Token] = []
         self.map_batched_runs = 0  # `map_batched` calls running on this graph (see new_graph)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating dtype values and gradients are computed in. Given to the constructor,
+        or fixed by the first floating parameter or input tensor met; torch's default dtype if
+        something needs it before either."""
+        if self._dtype is None:
+            self._dtype = torch.get_default_dtype()
+        return self._dtype
+
+    def _meet_dtype(self, tensor: torch.Tensor) -> None:
+        if self._dtype is None and tensor.is_floating_point():
+            self._dtype = tensor.dtype
+
     # ---- node creation -------------------------------------------------------------------
     # `add(op, args, shape, sig_key, attr=None)` is the store's (csrc/store.cpp): it appends a
     # node, marking it when written under torch.no_grad(), and returns its Expression.
@@ -233,6 +275,7 @@ class Graph(_core.Store):
         """A parameter or table must match the graph's dtype and device (the first one fixes
         the device when the graph was given none): mixing them would fail only later, inside
         a batched kernel."""
+        self._meet_dtype(tensor)
         if tensor.is_floating_point() and tensor.dtype != self.dtype:
             raise TypeError(f"{op}: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} in a "
                             f"{self.dtype} graph; pass dtype={tensor.dtype} to fb.Graph or "
@@ -256,7 +299,11 @@ class Graph(_core.Store):
             elif kind == "ones":
                 self.add(ONES, (), shape, ("ones", shape))
             else:
-                self.add(INPUT, (), shape, ("input", shape), torch.tensor(value, dtype=self.dtype))
+                # float64 holds the value exactly; the input kernel casts it to the graph's
+                # dtype, which this must not fix before a parameter does.
+                with _no_capture():
+                    value = torch.tensor(value, dtype=torch.float64)
+                self.add(INPUT, (), shape, ("input", shape), value)
             self._leaf_nodes[key] = node
         return node
 
@@ -269,10 +316,20 @@ class Graph(_core.Store):
             raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
                              "device has no values to compute with")
         shape = tuple(tensor.shape)
-        value = tensor if keep_grad else tensor.detach()
-        if not owned:
-            value = value.clone()
-        return self.add(INPUT, (), shape, ("input", shape), value).id
+        with _no_capture():
+            value = tensor if keep_grad else tensor.detach()
+            if not owned:
+                value = value.clone()
+                self._meet_dtype(tensor)  # a tensor the user made, not one flybatch converted
+        if tensor.is_floating_point() or tensor.is_complex():
+            return self.add(INPUT, (), shape, ("input", shape), value).id
+        node = self.add(INPUT, (), shape, ("input", shape, tensor.dtype), value).id
+        self.node_dtypes[node] = tensor.dtype
+        return node
+
+    def dtype_of(self, node: int) -> torch.dtype:
+        """The dtype of `node`'s value: the graph's floating dtype unless recorded otherwise."""
+        return self.node_dtypes.get(node) or self.dtype
 
     def _operand(self, x: Any) -> int:
         """The node of an operand that is not an expression (the compiled rules call this):
@@ -331,7 +388,8 @@ class Graph(_core.Store):
                 self.seconds["schedule"] += t1 - now
                 # A forward computes the same autograd graph whatever the grad mode of the code
                 # that asked for a value (a peek under no_grad): each node's own mode decides.
-                with torch.enable_grad():
+                # Kernels are plain torch: the capture of torch calls (capture.py) is off.
+                with torch.enable_grad(), torch._C.DisableTorchFunction():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -358,14 +416,16 @@ class Graph(_core.Store):
                 self.before_value_request()
             if node >= self.n_done:
                 self.forward()
-        return self.values[self.node_batch[node]][self.node_row[node]]
+        with _no_capture():
+            return self.values[self.node_batch[node]][self.node_row[node]]
 
     def backward(self, expr: Expression, retain_graph: bool = True) -> None:
         value = self.value_of(self.node_of(expr))
         if value.dim() != 0:
             raise ValueError(f"backward() needs a scalar expression, got shape {expr.shape}")
         start = time.perf_counter()
-        value.backward(retain_graph=retain_graph)
+        with torch._C.DisableTorchFunction():
+            value.backward(retain_graph=retain_graph)
         self.seconds["backward"] += time.perf_counter() - start
         self._idle_since = time.perf_counter()
 
@@ -388,9 +448,13 @@ class Graph(_core.Store):
         self.values = []
         self._leaf_nodes = {}
         self.tags = {}
+        self.shadows = {}
 
     def __enter__(self) -> "Graph":
+        from . import capture
+
         self._entries.append(_current.set(self))
+        capture.push()  # torch calls on expressions and parameters become nodes of the graph
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -403,6 +467,9 @@ class Graph(_core.Store):
                 continue
             del self._entries[i]
             break
+        from . import capture
+
+        capture.pop()
         if not self._entries:
             self.close()
 
@@ -446,7 +513,7 @@ def current_graph() -> Graph:
 
 
 def new_graph(strategy: str = "auto", device: str | torch.device | None = None,
-              dtype: torch.dtype = torch.float32) -> Graph:
+              dtype: torch.dtype | None = None) -> Graph:
     """Close the current default graph and start a fresh one (DyNet's `renew_cg`).
 
     A graph made current by a `with` block stays open (the block closes it). Inside `map_batched`

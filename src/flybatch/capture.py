@@ -1,0 +1,1201 @@
+"""Torch-native capture: a user's own per-instance PyTorch code, recorded as graph nodes.
+
+Inside `with fb.Graph():` (and in the instances of `fb.map_batched`) a `TorchFunctionMode` sees
+every torch call. A call that involves an expression, or, with grad enabled, a tensor that
+requires grad (a parameter), becomes a node of the graph; any other call runs eagerly (index
+tensors, `torch.zeros(1, H)` for an initial state) and its result is a constant to later calls.
+Expressions also carry `__torch_function__`, so torch calls on them are recorded outside `with`
+blocks too, and they have the Tensor methods and properties per-instance code uses
+(`x.view(1, -1)`, `x.size(0)`, `x.topk(1)`, `x[0, -1]`...), with torch's semantics on the
+per-instance shape.
+
+How a call is batched, fastest first:
+1. a mapping onto a flybatch op (`tanh`, `+`, `@`, `torch.cat`, `F.dropout`...), one C call;
+2. a *direct* batched call: the same torch function on the batch, with the per-instance dims
+   shifted past the batch dim (`softmax(x, dim=1)` runs as `softmax(xs, dim=2)`), shared
+   parameters passed once (`F.linear`, `F.embedding`, `F.layer_norm`, the RNN cells), or an
+   elementwise function on batch tensors aligned for broadcasting;
+3. any other function: a *generic* node, its output shape found by running it once on meta
+   tensors (cached per signature), its batched kernel `torch.vmap` over the batch (a loop over
+   the batch's nodes where vmap has no rule).
+A function whose output shape depends on values (`nonzero`, a boolean mask) or that returns a
+Python value (`tolist`, `equal`) runs on the values, which asks for a forward (a round of
+`map_batched`); its result keeps its autograd history, so gradients stay right.
+
+The signature of a recorded call is (function, the constants of the call, each operand's shape
+and dtype, and the node of each shared parameter), so calls batch exactly when one kernel can
+compute them all. In-place operations on expressions raise; in-place writes of expressions into
+a plain tensor (`outputs[i] = h`) are recorded out of place and the tensor stands for its new
+value in the calls that follow (`Graph.shadows`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import threading
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import kernels, ops
+from .errors import ShapeError
+from .graph import Expression, Graph, Op, _current, current_graph
+
+Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
+
+
+# ---- switching capture on and off --------------------------------------------------------------
+class _Capture(TorchFunctionMode):
+    """Records the torch calls that involve the graph; runs every other call as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _involves_graph(func, types, args, kwargs):
+            return torch_call(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_thread = threading.local()  # torch's mode stack is per thread: so is the depth of `push`
+
+
+def push() -> None:
+    """Capture on (nested pushes share one mode; `Graph.__enter__`, `map_batched`)."""
+    depth = getattr(_thread, "depth", 0)
+    if depth == 0:
+        _thread.mode = _Capture()
+        _thread.mode.__enter__()
+    _thread.depth = depth + 1
+
+
+def pop() -> None:
+    _thread.depth -= 1
+    if _thread.depth == 0:
+        _thread.mode.__exit__(None, None, None)
+        _thread.mode = None
+
+
+# Tensor attributes and methods that describe a plain tensor: always run as they are.
+_DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride storage_offset
+    is_contiguous is_floating_point is_complex is_signed data_ptr untyped_storage __len__ __repr__
+    __format__ __hash__ __bool__ __int__ __float__ __index__ item tolist numpy __reduce_ex__
+    __deepcopy__ requires_grad_ retain_grad register_hook backward __setstate__ __getstate__
+    get_device __dlpack__ __array__ is_set_to __contains__ __iter__""".split())
+_RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
+
+
+def _involves_graph(func, types, args, kwargs) -> bool:
+    """Whether a call must be recorded: an expression among its operands, a shadowed tensor
+    (written with an expression), or, with grad enabled, a parameter."""
+    for t in types:
+        if issubclass(t, Expression):
+            return True
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        if getattr(owner, "__name__", "") not in _RECORDED_PROPERTIES:
+            return False
+    elif name in _DESCRIBE:
+        return False
+    graph = _current.get()
+    shadows = graph.shadows if graph is not None and not graph.closed else None
+    grad = torch.is_grad_enabled()
+    if not grad and not shadows:
+        return False
+    inplace = name.endswith("_") and not name.startswith("__") or name == "__setitem__"
+    for x in _tensors(args, kwargs):
+        if shadows and id(x) in shadows:
+            return True
+        # A parameter (a leaf that requires grad): recorded, so its uses batch. A computed
+        # tensor with grad (a value the graph returned, an eager result) runs eagerly, which
+        # is exactly right, and a peek like `value.detach()` stays a tensor.
+        if grad and x.requires_grad and x.is_leaf and not inplace:
+            return True
+    return False
+
+
+def _tensors(args, kwargs):
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif type(x) in (list, tuple):
+            for y in x:
+                if isinstance(y, torch.Tensor):
+                    yield y
+    for x in kwargs.values():
+        if isinstance(x, torch.Tensor):
+            yield x
+
+
+def torch_call(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Record `func(*args, **kwargs)` (a call that involves the graph) as nodes."""
+    handler = _HANDLERS.get(func)
+    if handler is not None:
+        out = handler(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.startswith("__") or name == "__setitem__" or \
+            name.startswith("__i") and name[3:-2] in _INPLACE_DUNDERS:
+        return _inplace(func, name, args, kwargs)
+    if "out" in kwargs and kwargs["out"] is not None:
+        raise TypeError(f"{_name(func)}(out=...) with a flybatch expression: an expression has "
+                        "no storage to write into; use the returned value")
+    return _generic(func, args, kwargs)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    if name == "__get__" or name in _DESCRIBE and not any(isinstance(a, Expression) for a in args):
+        with torch._C.DisableTorchFunction():
+            return func(*args, **kwargs)
+    return torch_call(func, args, kwargs)
+
+
+Expression.__torch_function__ = classmethod(_torch_function)
+
+
+def _name(func: Callable) -> str:
+    name = getattr(func, "__name__", repr(func))
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    qual = getattr(func, "__qualname__", "")
+    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+        return f"Tensor.{name}"
+    return f"torch.{name}"
+
+
+# ---- operands and templates --------------------------------------------------------------------
+class _Slot:
+    """Where operand `index` goes in a call template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"#{self.index}"
+
+
+class _Call:
+    """A call taken apart: its graph, the operand nodes and the template they fill."""
+
+    def __init__(self, args: tuple, kwargs: dict, graph: Graph | None = None,
+                 weights: tuple = ()):
+        """`weights`: the positions (ints) and keywords (strs) of the arguments that are
+        parameters shared by the batch (F.linear's weight); every other operand is batched."""
+        self.graph = graph or _graph_of(args, kwargs)
+        self.nodes: list[int] = []
+        self.weight: list[bool] = []  # per operand: from a weight argument
+        self.args = tuple(self._template(x, i in weights) for i, x in enumerate(args))
+        self.kwargs = {k: self._template(v, k in weights) for k, v in kwargs.items()}
+
+    def _template(self, x: Any, weight: bool = False) -> Template:
+        if isinstance(x, Expression):
+            return self._slot(self.graph.node_of(x), weight)
+        if isinstance(x, torch.Tensor):
+            return self._slot(node_of_tensor(self.graph, x), weight)
+        if type(x) in (list, tuple):
+            return type(x)(self._template(y, weight) for y in x)
+        return x
+
+    def _slot(self, node: int, weight: bool) -> _Slot:
+        self.nodes.append(node)
+        self.weight.append(weight)
+        return _Slot(len(self.nodes) - 1)
+
+    def weights_shared(self) -> tuple[bool, ...] | None:
+        """Per operand, shared (a weight argument that is a parameter); None if some weight
+        argument is not a parameter (a per-instance weight: the generic path batches it)."""
+        shared = self.shared()
+        if any(w and not s for w, s in zip(self.weight, shared)):
+            return None
+        return tuple(self.weight)
+
+    def shapes(self) -> tuple:
+        g = self.graph
+        return tuple((g.shape_of(n), g.dtype_of(n)) for n in self.nodes)
+
+    def shared(self) -> tuple[bool, ...]:
+        """Which operands are one node for every instance (parameters): passed to a kernel
+        once, and named by node in the signature so that a batch shares them."""
+        g = self.graph
+        return tuple(g.op_of(n).name == "parameter" for n in self.nodes)
+
+
+def _graph_of(args: tuple, kwargs: dict) -> Graph:
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, Expression):
+            return x.graph
+        if type(x) in (list, tuple):
+            for y in x:
+                if isinstance(y, Expression):
+                    return y.graph
+    return current_graph()
+
+
+def node_of_tensor(g: Graph, x: torch.Tensor) -> int:
+    """A plain tensor's node: the expression it stands for after an in-place write with one,
+    else a parameter, a per-instance input with gradient, or a copied constant input."""
+    shadow = g.shadows.get(id(x))
+    if shadow is not None and shadow[0] is x:
+        return shadow[1].id
+    return g._operand(x)
+
+
+def _fill(template: Template, xs) -> Any:
+    if isinstance(template, _Slot):
+        return xs[template.index]
+    if type(template) in (list, tuple):
+        return type(template)(_fill(t, xs) for t in template)
+    return template
+
+
+def _key(template: Template) -> Any:
+    """A hashable form of a template's constants (Python 3.11 slices are not hashable; a float
+    is keyed by its repr, so that 0.0 and -0.0, or NaNs, are told apart)."""
+    if isinstance(template, _Slot):
+        return "#"
+    if type(template) in (list, tuple):
+        return (type(template).__name__,) + tuple(_key(t) for t in template)
+    if isinstance(template, dict):
+        return tuple((k, _key(v)) for k, v in template.items())
+    if isinstance(template, slice):
+        return ("slice", _key(template.start), _key(template.stop), _key(template.step))
+    if isinstance(template, float):
+        return ("float", repr(template))
+    if template is None or isinstance(template, (bool, int, str, torch.dtype, torch.device,
+                                                  torch.layout, torch.memory_format,
+                                                  type(Ellipsis))):
+        return template
+    try:
+        hash(template)
+        return (type(template).__name__, template)
+    except TypeError:
+        raise TypeError(f"cannot record a call with the argument {template!r} "
+                        f"({type(template).__name__}) on a flybatch expression") from None
+
+
+# ---- output shapes, from meta tensors ---------------------------------------------------------
+_META: dict[Any, Any] = {}  # (function, constants, operand shapes/dtypes) -> output structure
+
+
+class _DataDependent(Exception):
+    """The function's output shape (or type) depends on values: run it on the values."""
+
+
+def _meta_outputs(func: Callable, call: _Call) -> Any:
+    """The structure of `func`'s output for these operands: a (shape, dtype) per tensor."""
+    key = (func, _key(call.args), _key(call.kwargs), call.shapes())
+    out = _META.get(key)
+    if out is None:
+        metas = [torch.empty(s, dtype=d, device="meta") for s, d in call.shapes()]
+        try:
+            with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = func(*_fill(call.args, metas), **_fill(call.kwargs, metas))
+        except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as error:
+            text = str(error)
+            if "data-dependent" in text or "meta" in text.lower() or "item()" in text \
+                    or "Cannot copy out of meta" in text:
+                result = _DataDependent
+            else:
+                raise type(error)(f"{_name(func)} on flybatch expressions of per-instance "
+                                  f"shapes {[s for s, _ in call.shapes()]}: {error}") from error
+        out = _structure(result)
+        _META[key] = out
+    return out
+
+
+def _structure(result: Any) -> Any:
+    if result is _DataDependent:
+        return _DataDependent
+    if isinstance(result, torch.Tensor):
+        return (tuple(result.shape), result.dtype)
+    if isinstance(result, (list, tuple)) and result and \
+            all(isinstance(r, torch.Tensor) for r in result):
+        return [(tuple(r.shape), r.dtype) for r in result], type(result)
+    return _DataDependent  # a Python value (a bool, a list of numbers): computed from values
+
+
+def _wrap(g: Graph, structure: Any, make: Callable[[int, tuple, torch.dtype], Expression]) -> Any:
+    """The expressions of an output structure, `make(k, shape, dtype)` giving output k."""
+    if isinstance(structure[0], tuple) and isinstance(structure[1], torch.dtype):
+        return make(0, *structure)
+    outs, kind = structure
+    made = [make(k, s, d) for k, (s, d) in enumerate(outs)]
+    if kind in (list, tuple):
+        return kind(made)
+    return kind(made)  # torch.return_types.* (values, indices) and other struct sequences
+
+
+def _node(g: Graph, op: Op, nodes, shape: tuple, key: tuple, attr: Any,
+          dtype: torch.dtype) -> Expression:
+    out = g.add(op, tuple(nodes), tuple(shape), key, attr)
+    if dtype != g.dtype:
+        g.node_dtypes[out.id] = dtype
+    return out
+
+
+def _signature(call: _Call, shared: tuple[bool, ...]) -> tuple:
+    """Operand part of a signature: each operand's shape and dtype; a shared one's node."""
+    g = call.graph
+    return tuple(("P", n) if s else (g.shape_of(n), g.dtype_of(n))
+                 for n, s in zip(call.nodes, shared))
+
+
+# ---- generic nodes: vmap over the batch -------------------------------------------------------
+def _batch_operands(xs, shared):
+    """The batch tensors of a kernel: shared operands as one instance's tensor, the others
+    expanded to the batch size (a `[1, ...]` read stands for every node of the batch)."""
+    size = max((x.shape[0] for x, s in zip(xs, shared) if not s), default=1)
+    return size, [x[0] if s else x if x.shape[0] == size else x.expand(size, *x.shape[1:])
+                  for x, s in zip(xs, shared)]
+
+
+def _generic_kernel(xs, attr, shape):
+    func, args, kwargs, shared, out_index = attr
+    size, batch = _batch_operands(xs, shared)
+
+    def one(*ts):
+        out = func(*_fill(args, ts), **_fill(kwargs, ts))
+        return out if out_index is None else out[out_index]
+
+    in_dims = tuple(None if s else 0 for s in shared)
+    if all(s for s in shared):
+        return one(*batch).unsqueeze(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # vmap's "falling back to a slow loop" warnings
+            return torch.vmap(one, in_dims=in_dims, randomness="different")(*batch)
+    except Exception:  # no batching rule: one call per node
+        return torch.stack([one(*[t if s else t[i] for t, s in zip(batch, shared)])
+                            for i in range(size)])
+
+
+GENERIC = Op("torch", _generic_kernel)
+
+
+def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
+    call = _Call(args, kwargs)
+    structure = _meta_outputs(func, call)
+    if structure is _DataDependent:
+        return _on_values(func, call)
+    shared = call.shared()
+    base = (_name(func), func, _key(call.args), _key(call.kwargs), _signature(call, shared))
+    single = not isinstance(structure[1], type)
+
+    def make(k, shape, dtype):
+        index = None if single else k
+        return _node(call.graph, GENERIC, call.nodes, shape, base + (index,),
+                     (func, call.args, call.kwargs, shared, index), dtype)
+
+    return _wrap(call.graph, structure, make)
+
+
+_warned: set = set()
+
+
+def _on_values(func: Callable, call: _Call) -> Any:
+    """Run `func` on the operands' values (a forward, or a round of map_batched): for output
+    shapes that depend on values and Python results. The result keeps its autograd history."""
+    if func not in _warned:
+        _warned.add(func)
+        warnings.warn(f"{_name(func)} on flybatch expressions depends on their values: it runs "
+                      "on the values (a forward per call, not batched)", stacklevel=4)
+    g = call.graph
+    values = [g.value_of(n) for n in call.nodes]
+    with torch._C.DisableTorchFunction():
+        return func(*_fill(call.args, values), **_fill(call.kwargs, values))
+
+
+# ---- direct batched calls ---------------------------------------------------------------------
+def _direct_kernel(xs, attr, shape):
+    batched_fn, shared, consts = attr
+    _, batch = _batch_operands(xs, shared)
+    return batched_fn(batch, *consts)
+
+
+DIRECT = Op("torch", _direct_kernel)
+
+
+def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
+            dtype: torch.dtype, shared: tuple[bool, ...] | None = None, cheap=False) -> Expression:
+    """A node whose kernel is `batched_fn(batch operands, *consts)`; consts and operand shapes
+    (shared operands: their nodes) make the signature."""
+    shared = call.shared() if shared is None else shared
+    key = (name, batched_fn, _key(consts), _signature(call, shared))
+    return _node(call.graph, _DIRECT_CHEAP if cheap else DIRECT, call.nodes, shape, key,
+                 (batched_fn, shared, consts), dtype)
+
+
+_DIRECT_CHEAP = Op("torch", _direct_kernel, cheap=True)
+
+
+def _dim(d: int, ndim: int, op: str) -> int:
+    """Per-instance dim `d` (negative counts from the end) as a dim of the batch tensor."""
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise IndexError(f"{op}: dimension {d} out of range for a per-instance tensor of "
+                         f"{ndim} dims")
+    return (d % max(ndim, 1)) + 1
+
+
+def _meta_of(func: Callable, call: _Call):
+    structure = _meta_outputs(func, call)
+    if structure is _DataDependent:
+        raise ShapeError(f"{_name(func)}: output shape depends on values")
+    return structure
+
+
+def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool = False,
+             reduce_all: Callable | None = None):
+    """A handler for a function with a `dim` argument (positional `dim_arg`, or keyword): the
+    batch call is the function with that dim shifted past the batch dim."""
+    label = name or func.__name__
+
+    def handler(x, *args, **kwargs):
+        if len(args) >= dim_arg:
+            dim, where = args[dim_arg - 1], dim_arg  # position in the full argument tuple
+        else:
+            dim, where = kwargs.get("dim"), "dim"
+        if dim is None:
+            if reduce_all is not None and not args and not kwargs:
+                return reduce_all(x)
+            return NotImplemented
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return NotImplemented  # named dims, lists of dims: generic
+        call = _Call((x,) + args, kwargs)
+        if call.args[0].__class__ is not _Slot:
+            return NotImplemented
+        structure = _meta_of(func, call)
+        if not isinstance(structure[1], torch.dtype):
+            return NotImplemented  # (values, indices): generic
+        shape, dtype = structure
+        shifted = _dim(dim, len(call.graph.shape_of(call.nodes[0])), label)
+        if where == "dim":
+            call.kwargs = dict(call.kwargs, dim=shifted)
+        else:
+            call.args = call.args[:where] + (shifted,) + call.args[where + 1:]
+        fn = functools.partial(_apply_template, func, call.args, call.kwargs)
+        return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
+                       cheap=cheap)
+
+    return handler
+
+
+def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
+    """A function that batches as it is called: leading batch dims pass through it (F.linear,
+    F.embedding, F.layer_norm); `weights` name the parameter arguments, passed once."""
+    label = func.__name__
+
+    def handler(*args, **kwargs):
+        call = _Call(args, kwargs, weights=weights)
+        shared = call.weights_shared()
+        if shared is None:
+            return NotImplemented
+        structure = _meta_of(func, call)
+        if not isinstance(structure[1], torch.dtype):
+            return NotImplemented
+        fn = functools.partial(_apply_template, func, call.args, call.kwargs)
+        return _direct(label, call, fn, (), *structure, shared=shared, cheap=cheap)
+
+    return handler
+
+
+def _apply_template(func, args, kwargs, batch):
+    return func(*_fill(args, batch), **_fill(kwargs, batch))
+
+
+def _elementwise(func: Callable, cheap: bool = True):
+    """An elementwise function with broadcasting: batch operands aligned, called as is."""
+    label = func.__name__
+
+    def handler(*args, **kwargs):
+        call = _Call(args, kwargs)
+        structure = _meta_of(func, call)
+        if not isinstance(structure[1], torch.dtype):
+            return NotImplemented
+        shape, dtype = structure
+        fn = functools.partial(_aligned, func, call.args, call.kwargs, len(shape))
+        return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
+                       cheap=cheap)
+
+    return handler
+
+
+def _aligned(func, args, kwargs, ndim, batch):
+    batch = [ops._align(x, ndim) for x in batch]
+    return func(*_fill(args, batch), **_fill(kwargs, batch))
+
+
+# ---- in-place operations -----------------------------------------------------------------------
+_INPLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+                    "or", "xor", "lshift", "rshift"}
+
+
+def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    """An in-place operation: an error on an expression (it has no storage), recorded out of
+    place for a plain tensor written with expressions, which then stands for its new value."""
+    target = args[0]
+    if isinstance(target, Expression):
+        raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
+                        f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
+    g = _graph_of(args, kwargs)
+    if name == "__setitem__":
+        new = _setitem(g, target, args[1], args[2])
+    else:
+        plain = name[:-1] if name.endswith("_") else "__" + name[3:]
+        out_of_place = getattr(torch.Tensor, plain, None)
+        if out_of_place is None:
+            raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
+        new = torch_call(out_of_place, (_current_value(g, target),) + tuple(args[1:]), kwargs)
+    g.shadows[id(target)] = (target, new)
+    return target
+
+
+def _current_value(g: Graph, tensor: torch.Tensor) -> Any:
+    shadow = g.shadows.get(id(tensor))
+    return shadow[1] if shadow is not None and shadow[0] is tensor else tensor
+
+
+def _setitem_batched(key, batch):
+    base, value = batch
+    out = base.clone()
+    out[(slice(None),) + key] = ops._align(value, out[(slice(None),) + key].dim() - 1)
+    return out
+
+
+def _setitem(g: Graph, target: torch.Tensor, key: Any, value: Any) -> Expression:
+    if not isinstance(key, tuple):
+        key = (key,)
+    if any(isinstance(k, (torch.Tensor, Expression, list)) for k in key):
+        raise TypeError("writing an expression into a tensor at tensor indices is not supported; "
+                        "use torch.cat / torch.stack to build the tensor")
+    call = _Call((_current_value(g, target), value), {}, g)
+    shape = g.shape_of(call.nodes[0])
+    dtype = g.dtype_of(call.nodes[0])
+    return _direct("setitem", call, functools.partial(_setitem_batched, key), (), shape, dtype,
+                   shared=(False, False))
+
+
+# ---- indexing: x[...] beyond the int and slice the C type handles -------------------------------
+def _getitem_batched(key, batch):
+    return batch[0][(slice(None),) + key]
+
+
+def getitem(x: Expression, key: Any) -> Any:
+    keys = key if isinstance(key, tuple) else (key,)
+    for k in keys:
+        if isinstance(k, (bool, np.bool_, float)):
+            raise IndexError(f"{x!r}[{key!r}]: only integers, slices, None, ... and integer "
+                             "tensors are valid indices")
+    if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
+        return _generic(torch.Tensor.__getitem__, (x, key), {})
+    call = _Call((x, keys), {})
+    shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
+    return _direct("getitem", call, functools.partial(_getitem_batched, keys), (), shape, dtype,
+                   shared=(False,), cheap=True)
+
+
+ops._getitem = getitem
+
+
+# ---- the fast mappings ------------------------------------------------------------------------
+def _is_float(g: Graph, x: Any) -> bool:
+    if isinstance(x, Expression):
+        return g.dtype_of(x.id).is_floating_point
+    if isinstance(x, torch.Tensor):
+        return x.is_floating_point()
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _fb_unary(rule):
+    def handler(x, *rest, **kwargs):
+        if rest or kwargs.get("inplace") or any(k != "inplace" for k in kwargs) \
+                or not _is_float(_graph_of((x,), {}), x):
+            return NotImplemented
+        return rule(x)
+    return handler
+
+
+def _fb_binary(rule, reflected=False):
+    def handler(a, b, *rest, **kwargs):
+        if rest or kwargs:
+            return NotImplemented
+        g = _graph_of((a, b), {})
+        if not (_is_float(g, a) and _is_float(g, b)):
+            return NotImplemented
+        return rule(b, a) if reflected else rule(a, b)
+    return handler
+
+
+def _matmul(a, b, **kwargs):
+    if kwargs:
+        return NotImplemented
+    g = _graph_of((a, b), {})
+    shapes = [g.shape_of(node_of_operand(g, v)) if isinstance(v, Expression) else tuple(v.shape)
+              for v in (a, b)]
+    if any(len(s) > 2 or len(s) == 0 for s in shapes) or not (_is_float(g, a) and _is_float(g, b)):
+        return NotImplemented
+    return ops.matmul(a, b)
+
+
+def node_of_operand(g: Graph, x: Any) -> int:
+    return g.node_of(x) if isinstance(x, Expression) else node_of_tensor(g, x)
+
+
+def _rmatmul(a, b, **kwargs):
+    return _matmul(b, a, **kwargs)
+
+
+def _cat(tensors, dim=0, **kwargs):
+    if kwargs or not tensors:
+        return NotImplemented
+    g = _graph_of((tensors,), {})
+    if not all(_is_float(g, t) for t in tensors):
+        return NotImplemented
+    shapes = [g.shape_of(node_of_operand(g, t)) if isinstance(t, Expression) else tuple(t.shape)
+              for t in tensors]
+    ndim = len(shapes[0])
+    if ndim == 0:
+        return NotImplemented  # torch's error
+    return ops.concat([t for t in tensors], dim=_dim(dim, ndim, "cat") - 1)
+
+
+def _stack(tensors, dim=0, **kwargs):
+    if kwargs or not tensors:
+        return NotImplemented
+    call = _Call((tuple(tensors), dim), {})
+    ndim = len(call.graph.shape_of(call.nodes[0])) + 1
+    shape, dtype = _meta_of(torch.stack, call)
+    d = _dim(dim, ndim, "stack")
+    return _direct("stack", call, functools.partial(_stack_batched, d), (), shape, dtype,
+                   shared=(False,) * len(call.nodes), cheap=True)
+
+
+def _stack_batched(dim, batch):
+    return torch.stack(batch, dim)
+
+
+def _reshape_like(func: Callable):
+    """view / reshape / flatten / squeeze / unsqueeze...: fb.reshape to the meta shape."""
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression):
+            return NotImplemented
+        call = _Call((x,) + args, kwargs)
+        if len(call.nodes) != 1:
+            return NotImplemented
+        shape, dtype = _meta_of(func, call)
+        if dtype != call.graph.dtype_of(x.id):
+            return NotImplemented
+        if tuple(shape) == tuple(x.shape):
+            return x
+        return ops.reshape(x, shape)
+    return handler
+
+
+def _linear(x, weight, bias=None):
+    call = _Call((x, weight) + ((bias,) if bias is not None else ()), {})
+    shared = call.shared()
+    if not all(shared[1:]):
+        return NotImplemented  # a per-instance weight: generic
+    shape, dtype = _meta_of(F.linear, call)
+    return _direct("linear", call, _linear_batched, (), shape, dtype, shared)
+
+
+def _linear_batched(batch):
+    x, w, *b = batch
+    flat = x.reshape(-1, x.shape[-1])
+    out = kernels.linear(flat, w, b[0] if b else None)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+_embedding_as_is = _as_is(F.embedding, weights=(1, "weight"), cheap=True)
+
+
+def _embedding(input, weight, *args, **kwargs):
+    if kwargs.get("scale_grad_by_freq") or len(args) > 3 and args[3]:
+        raise ValueError("F.embedding(scale_grad_by_freq=True) on flybatch: it scales gradients "
+                         "by counts in ONE call, and batching decides which lookups share a call")
+    if isinstance(input, (Expression, torch.Tensor)) and not _is_float(_graph_of((input,), {}),
+                                                                        input):
+        return _embedding_as_is(input, weight, *args, **kwargs)
+    return NotImplemented
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    if not isinstance(input, Expression) or not _is_float(input.graph, input):
+        return NotImplemented
+    return ops.dropout(input, p, training)
+
+
+def _reduce_all(rule):
+    def handler(x, *args, **kwargs):
+        if args or kwargs or not isinstance(x, Expression) or not _is_float(x.graph, x):
+            return NotImplemented
+        return rule(x)
+    return handler
+
+
+def _detach(x):
+    if not isinstance(x, Expression):
+        return NotImplemented
+    g = x.graph
+    with torch.no_grad():  # a node written under no_grad computes without autograd history
+        return _direct("detach", _Call((x,), {}, g), _identity, (), x.shape, g.dtype_of(x.id),
+                       shared=(False,), cheap=True)
+
+
+def _identity(batch):
+    return batch[0]
+
+
+def _like(func: Callable):
+    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's shape (the values
+    of the expression are not needed)."""
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression):
+            return NotImplemented
+        g = x.graph
+        stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        with torch._C.DisableTorchFunction():
+            return func(stand_in, *args, **kwargs)
+    return handler
+
+
+def _new(func: Callable):
+    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device."""
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression):
+            return NotImplemented
+        g = x.graph
+        stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        with torch._C.DisableTorchFunction():
+            return func(stand_in, *args, **kwargs)
+    return handler
+
+
+# ---- losses: reduction per instance ----------------------------------------------------------
+def _loss(func: Callable, n_inputs: int):
+    """A loss with `reduction=`: the batch call with reduction='none', reduced per instance
+    (so `mean` divides by each instance's own count, or summed class weights for nll)."""
+    label = func.__name__
+    weighted = func in (F.nll_loss, F.cross_entropy)
+
+    def handler(*args, **kwargs):
+        bound = _bind(func, args, kwargs)
+        reduction = bound.pop("reduction", "mean")
+        for legacy in ("size_average", "reduce"):
+            if bound.pop(legacy, None) is not None:
+                return NotImplemented
+        tensors = [bound.pop(name) for name in list(bound)[:n_inputs]]
+        weight = bound.pop("weight", None) if weighted else None
+        if weighted and any(isinstance(v, float) and v != 0.0 for v in
+                            [bound.get("label_smoothing", 0.0)]):
+            return NotImplemented
+        if any(isinstance(v, (torch.Tensor, Expression)) for v in bound.values()):
+            return NotImplemented  # per-instance weights, pos_weight: generic
+        operands = tuple(tensors) + ((weight,) if weight is not None else ())
+        call = _Call(operands, {})
+        g = call.graph
+        if weight is not None and not call.shared()[-1]:
+            return NotImplemented
+        shapes = [g.shape_of(n) for n in call.nodes]
+        if weighted:
+            if len(shapes[0]) not in (1, 2):
+                return NotImplemented  # (N, C, d1...) inputs: generic
+        structure = _meta_of(func, _Call(operands, {"reduction": reduction}, g) if weight is None
+                             else _Call(tuple(tensors), {"weight": weight,
+                                                         "reduction": reduction}, g))
+        shape, dtype = structure
+        consts = (reduction, weight is not None, tuple(sorted(bound.items())))
+        shared = (False,) * len(tensors) + ((True,) if weight is not None else ())
+        return _direct(label, call, functools.partial(_loss_batched, func, weighted), consts,
+                       shape, dtype, shared)
+
+    return handler
+
+
+def _bind(func, args, kwargs) -> dict:
+    import inspect
+
+    signature = _SIGNATURES.get(func)
+    if signature is None:
+        signature = _SIGNATURES[func] = inspect.signature(func)
+    bound = signature.bind(*args, **kwargs)
+    return dict(bound.arguments)
+
+
+_SIGNATURES: dict = {}
+
+
+def _loss_batched(func, weighted, batch, reduction, has_weight, options):
+    options = dict(options)
+    weight = batch[-1] if has_weight else None
+    tensors = batch[:-1] if has_weight else batch
+    size = tensors[0].shape[0]
+    if weighted:
+        x, target = tensors
+        classes = x.shape[-1]
+        flat_x = x.reshape(-1, classes)
+        flat_t = target.reshape(-1)
+        losses = func(flat_x, flat_t, weight=weight, reduction="none", **options)
+        losses = losses.reshape(size, -1)
+        if reduction == "none":
+            return losses.reshape(target.shape)
+        if reduction == "sum":
+            return losses.sum(1)
+        # mean: divided by the summed weights of each instance's targets (ignore_index: 0)
+        w = torch.ones(classes, dtype=x.dtype, device=x.device) if weight is None else weight
+        ignore = options.get("ignore_index", -100)
+        counted = torch.where(flat_t == ignore, torch.zeros((), dtype=x.dtype, device=x.device),
+                              w[flat_t.clamp(0, classes - 1)])
+        return losses.sum(1) / counted.reshape(size, -1).sum(1)
+    losses = func(*tensors, reduction="none", **options)
+    if reduction == "none":
+        return losses
+    flat = losses.reshape(size, -1)
+    return flat.sum(1) if reduction == "sum" else flat.mean(1)
+
+
+# ---- recurrent cells and layers -------------------------------------------------------------
+def _cell(func: Callable, outputs: int):
+    """torch.lstm_cell / gru_cell / rnn_tanh_cell / rnn_relu_cell (what nn.*Cell call): one node
+    computing the batch's cells, weights shared; an LSTM's (h, c) are two views of it."""
+    def handler(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        states = tuple(hx) if outputs == 2 else (hx,)
+        operands = (input,) + states + (w_ih, w_hh) + tuple(b for b in (b_ih, b_hh)
+                                                            if b is not None)
+        call = _Call(operands, {})
+        shared = call.shared()
+        if not all(shared[1 + len(states):]) or any(shared[:1 + len(states)]):
+            return NotImplemented
+        g = call.graph
+        x_shape = g.shape_of(call.nodes[0])
+        if len(x_shape) != 2:
+            return NotImplemented
+        hidden = w_hh.shape[1]
+        packed = (x_shape[0], outputs * hidden)
+        fn = functools.partial(_cell_batched, func, len(states), b_ih is not None)
+        node = _direct(func.__name__, call, fn, (), packed, g.dtype, shared)
+        if outputs == 1:
+            return node
+        h = _direct("narrow", _Call((node,), {}, g), functools.partial(_narrow, 0, hidden), (),
+                    (x_shape[0], hidden), g.dtype, (False,), cheap=True)
+        c = _direct("narrow", _Call((node,), {}, g), functools.partial(_narrow, hidden, hidden),
+                    (), (x_shape[0], hidden), g.dtype, (False,), cheap=True)
+        return h, c
+
+    return handler
+
+
+def _narrow(start, length, batch):
+    return batch[0].narrow(-1, start, length)
+
+
+def _cell_batched(func, n_states, has_bias, batch):
+    x, *rest = batch
+    states, weights = rest[:n_states], rest[n_states:]
+    size, rows = x.shape[0], x.shape[1]
+    flat = [t.reshape(size * rows, t.shape[-1]) for t in [x] + states]
+    if not has_bias:
+        weights = weights + [None, None]
+    if n_states == 2:
+        h, c = func(flat[0], (flat[1], flat[2]), *weights)
+        out = torch.cat([h, c], -1)
+    else:
+        out = func(flat[0], flat[1], *weights)
+    return out.reshape(size, rows, -1)
+
+
+def _rnn(func: Callable, cell: Callable, gates: int):
+    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence:
+    unrolled into one cell node per step, layer and direction, so that step t of every
+    instance runs as one batched cell whatever the lengths (and a layer's input projections
+    for all steps of all instances as ONE matrix product)."""
+    lstm = gates == 4
+
+    def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                batch_first):
+        if not isinstance(input, Expression) or isinstance(params, Expression):
+            return NotImplemented
+        g = input.graph
+        shape = input.shape
+        if len(shape) != 3:
+            return NotImplemented
+        seq_dim, batch_dim = (1, 0) if batch_first else (0, 1)
+        length, rows = shape[seq_dim], shape[batch_dim]
+        directions = 2 if bidirectional else 1
+        per_layer = 4 if has_biases else 2
+        if lstm:
+            h0, c0 = hx
+        else:
+            h0, c0 = hx, None
+        xs = [input.select(seq_dim, t) for t in range(length)]  # (rows, features) per step
+        finals_h, finals_c = [], []
+        for layer in range(num_layers):
+            outs_by_direction = []
+            for direction in range(directions):
+                k = layer * directions + direction
+                w = params[k * per_layer:(k + 1) * per_layer]
+                w_ih, w_hh = w[0], w[1]
+                b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+                h = h0[k]
+                c = c0[k] if lstm else None
+                order = range(length) if direction == 0 else range(length - 1, -1, -1)
+                outs = [None] * length
+                for t in order:
+                    if lstm:
+                        h, c = cell(xs[t], (h, c), w_ih, w_hh, b_ih, b_hh)
+                    else:
+                        h = cell(xs[t], h, w_ih, w_hh, b_ih, b_hh)
+                    outs[t] = h
+                outs_by_direction.append(outs)
+                finals_h.append(h)
+                finals_c.append(c)
+            xs = outs_by_direction[0] if directions == 1 else \
+                [torch.cat([f, b], -1) for f, b in zip(*outs_by_direction)]
+            if dropout and train and layer < num_layers - 1:
+                xs = [F.dropout(x, dropout, True) for x in xs]
+        output = torch.stack(xs, seq_dim)
+        h_n = torch.stack(finals_h, 0)
+        if lstm:
+            return output, h_n, torch.stack(finals_c, 0)
+        return output, h_n
+
+    return handler
+
+
+_HANDLERS: dict[Callable, Callable] = {}
+
+
+def _register(funcs, handler) -> None:
+    for func in funcs:
+        if func is not None:
+            _HANDLERS[func] = handler
+
+
+T = torch.Tensor
+_unary_ops = {
+    "tanh": (torch.tanh, T.tanh, F.tanh), "sigmoid": (torch.sigmoid, T.sigmoid, F.sigmoid),
+    "relu": (torch.relu, T.relu, F.relu), "exp": (torch.exp, T.exp), "log": (torch.log, T.log),
+    "abs": (torch.abs, T.abs, T.__abs__), "sqrt": (torch.sqrt, T.sqrt),
+    "square": (torch.square, T.square), "neg": (torch.neg, T.neg, T.__neg__, torch.negative),
+}
+for _op, _funcs in _unary_ops.items():
+    _register(_funcs, _fb_unary(getattr(ops, _op)))
+_binary_ops = {
+    "add": ((torch.add, T.add, T.__add__), (T.__radd__,)),
+    "sub": ((torch.sub, T.sub, T.__sub__, torch.subtract), (T.__rsub__,)),
+    "mul": ((torch.mul, T.mul, T.__mul__, torch.multiply), (T.__rmul__,)),
+    "div": ((torch.div, T.div, T.__truediv__, torch.true_divide), (T.__rtruediv__,)),
+}
+for _op, (_funcs, _reflected) in _binary_ops.items():
+    _register(_funcs, _fb_binary(getattr(ops, _op)))
+    _register(_reflected, _fb_binary(getattr(ops, _op), reflected=True))
+_register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm), _matmul)
+_register((T.__rmatmul__,), _rmatmul)
+_register((torch.cat, torch.concat, torch.concatenate), _cat)
+_register((torch.stack,), _stack)
+for _func in (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.squeeze,
+              torch.squeeze, T.unsqueeze, torch.unsqueeze, T.view_as, T.reshape_as, T.unflatten,
+              torch.unflatten, T.contiguous, T.ravel, torch.ravel):
+    _register((_func,), _reshape_like(_func))
+_register((torch.sum, T.sum), _shifted(torch.sum, 1, "sum", reduce_all=_reduce_all(ops.sum_elems)))
+_register((torch.mean, T.mean), _shifted(torch.mean, 1, "mean",
+                                         reduce_all=_reduce_all(ops.mean_elems)))
+for _name_, _funcs in {
+        "softmax": (torch.softmax, T.softmax, F.softmax),
+        "log_softmax": (torch.log_softmax, T.log_softmax, F.log_softmax),
+        "logsumexp": (torch.logsumexp, T.logsumexp), "cumsum": (torch.cumsum, T.cumsum),
+        "prod": (torch.prod, T.prod), "argmax": (torch.argmax,),
+        "argmin": (torch.argmin, T.argmin), "amax": (torch.amax, T.amax),
+        "amin": (torch.amin, T.amin), "norm": (), "std": (), "var": (),
+        "select": (torch.select, T.select), "narrow": (torch.narrow, T.narrow),
+        "unbind": (), "transpose": (torch.transpose, T.transpose),
+        "movedim": (), "roll": (), "flip": (), "cross": (),
+        "normalize": (F.normalize,), "glu": (F.glu,),
+}.items():
+    for _func in _funcs:
+        _register((_func,), _shifted(_func, 1, _name_, cheap=_name_ in ("select", "narrow",
+                                                                        "transpose")))
+_register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
+          else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))
+for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, torch.clip, T.clip,
+              torch.maximum, torch.minimum, torch.where, F.gelu, F.elu, F.leaky_relu, F.silu,
+              F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.mish, F.softsign, F.tanhshrink,
+              F.logsigmoid, torch.erf, torch.sin, torch.cos, torch.reciprocal, T.reciprocal,
+              torch.rsqrt, T.rsqrt, torch.sign, T.sign, torch.floor, torch.ceil, torch.round,
+              torch.eq, T.eq, torch.ne, T.ne, torch.lt, T.lt, torch.le, T.le, torch.gt, T.gt,
+              torch.ge, T.ge, T.__eq__, T.__ne__, T.__lt__, T.__le__, T.__gt__, T.__ge__,
+              torch.logical_not, torch.logical_and, torch.logical_or, T.float, T.double, T.long,
+              T.int, T.bool, T.to, T.type_as, torch.lerp, torch.addcmul, torch.addcdiv,
+              T.__mod__, torch.remainder, torch.fmod, T.__floordiv__, torch.floor_divide,
+              torch.nan_to_num, T.masked_fill,
+              torch.masked_fill, T.exp, T.log1p, torch.log1p, torch.expm1, T.expm1,
+              torch.atan2, torch.hypot, F.threshold, T.sin, T.cos, T.sqrt, T.clamp_min,
+              T.clamp_max, torch.clamp_min, torch.clamp_max, T.__and__, T.__or__, T.__invert__):
+    if _func is not None:
+        _register((_func,), _elementwise(_func))
+_register((F.linear, torch._C._nn.linear), _linear)
+_register((F.embedding,), _embedding)
+_register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
+_register((F.group_norm,), _as_is(F.group_norm, weights=(2, 3, "weight", "bias")))
+_register((F.dropout, torch.dropout), _dropout)
+_register((T.detach, torch.detach), _detach)
+for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+              torch.rand_like, torch.randn_like, torch.randint_like):
+    _register((_func,), _like(_func))
+for _func in (T.new_zeros, T.new_ones, T.new_empty, T.new_full, T.new_tensor):
+    _register((_func,), _new(_func))
+for _func, _n in ((F.nll_loss, 2), (F.cross_entropy, 2), (F.mse_loss, 2), (F.l1_loss, 2),
+                  (F.binary_cross_entropy, 2), (F.binary_cross_entropy_with_logits, 2),
+                  (F.smooth_l1_loss, 2), (F.huber_loss, 2)):
+    _register((_func,), _loss(_func, _n))
+_register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
+_register((torch.gru_cell,), _cell(torch.gru_cell, 1))
+_register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
+_register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
+_register((torch.lstm,), _rnn(torch.lstm, _HANDLERS[torch.lstm_cell], 4))
+_register((torch.gru,), _rnn(torch.gru, _HANDLERS[torch.gru_cell], 3))
+
+
+# ---- expressions as per-instance tensors ---------------------------------------------------
+def _method(func: Callable) -> Callable:
+    def method(self, *args, **kwargs):
+        return torch_call(func, (self,) + args, kwargs)
+    method.__name__ = func.__name__
+    method.__doc__ = f"`Tensor.{func.__name__}` on the per-instance value, recorded as a node."
+    return method
+
+
+def _size(self, dim: int | None = None):
+    shape = torch.Size(self.shape)
+    if dim is None:
+        return shape
+    if not -len(shape) <= dim < max(len(shape), 1):
+        raise IndexError(f"size: dimension {dim} out of range for a tensor of {len(shape)} dims")
+    return shape[dim]
+
+
+def _len(self) -> int:
+    if not self.shape:
+        raise TypeError("len() of a 0-d expression")
+    return self.shape[0]
+
+
+def _requires_grad(self) -> bool:
+    """Whether gradient flows into this node: it depends on a parameter (or an input with
+    gradient) through nodes written with grad enabled."""
+    g = self.graph
+    memo = g.__dict__.setdefault("_requires_grad", {})
+    stack = [self.id]
+    while stack:
+        node = stack[-1]
+        if node in memo:
+            stack.pop()
+            continue
+        if g.is_no_grad(node):
+            memo[node] = False
+            stack.pop()
+            continue
+        op = g.op_of(node)
+        if op.leaf:
+            attr = g.attr_of(node)
+            memo[node] = bool(op.name == "parameter" or
+                              isinstance(attr, torch.Tensor) and attr.requires_grad)
+            stack.pop()
+            continue
+        pending = [a for a in g.args_of(node) if a not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[node] = any(memo[a] for a in g.args_of(node))
+        stack.pop()
+    return memo[self.id]
+
+
+def _eq(self, other):
+    # Between two expressions `==` stays identity (expressions are dict keys and `in` list
+    # members in graph-building code); against a tensor or a number it is torch's elementwise
+    # comparison, as per-instance torch code means it.
+    if isinstance(other, Expression):
+        return self is other
+    return torch_call(T.__eq__, (self, other), {})
+
+
+def _ne(self, other):
+    if isinstance(other, Expression):
+        return self is not other
+    return torch_call(T.__ne__, (self, other), {})
+
+
+_PROPERTIES = {
+    "dtype": property(lambda self: self.graph.dtype_of(self.id)),
+    "device": property(lambda self: self.graph.device or torch.device("cpu")),
+    "ndim": property(lambda self: len(self.shape)),
+    "requires_grad": property(_requires_grad),
+    "is_leaf": property(lambda self: not _requires_grad(self)),
+    "grad": property(lambda self: None),
+    "data": property(lambda self: self.value().detach()),
+    "T": property(lambda self: torch_call(T.permute, (self, tuple(range(len(self.shape)))[::-1]),
+                                          {})),
+    "mT": property(lambda self: torch_call(T.transpose, (self, -2, -1), {})),
+    "is_cuda": property(lambda self: (self.graph.device or torch.device("cpu")).type == "cuda"),
+    "layout": property(lambda self: torch.strided),
+}
+_OWN = {
+    "size": _size, "dim": lambda self: len(self.shape), "ndimension": lambda self: len(self.shape),
+    "numel": lambda self: math.prod(self.shape), "nelement": lambda self: math.prod(self.shape),
+    "__len__": _len, "__eq__": _eq, "__ne__": _ne, "__hash__": object.__hash__,
+    "tolist": lambda self: self.value().detach().tolist(),
+    "__index__": lambda self: int(self.value().detach()),
+    "is_floating_point": lambda self: self.graph.dtype_of(self.id).is_floating_point,
+    "__pow__": _method(T.__pow__), "__rpow__": _method(T.__rpow__),
+    "__mod__": _method(T.__mod__), "__floordiv__": _method(T.__floordiv__),
+    "__abs__": _method(T.__abs__), "__invert__": _method(T.__invert__),
+    "__and__": _method(T.__and__), "__or__": _method(T.__or__),
+}
+# Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
+# (a Python int, as always), the operators the C type implements, comparisons that return bool.
+_KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",
+         "__gt__", "__ge__", "__bool__", "__float__", "__int__", "__repr__", "__iter__",
+         "__array_ufunc__", "__torch_function__", "__getitem__", "__add__", "__radd__",
+         "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+         "__matmul__", "__rmatmul__", "__neg__", "argmax"}
+
+
+def _argmax(self, dim=None, keepdim=False):
+    """With no argument, the index of the largest element as a Python int (a value request, as
+    flybatch always had it); with `dim`, torch's argmax as a node."""
+    if dim is None and not keepdim:
+        return int(self.value().detach().argmax())
+    return torch_call(T.argmax, (self, dim, keepdim), {})
+
+
+def _install() -> None:
+    for name, prop in _PROPERTIES.items():
+        setattr(Expression, name, prop)
+    for name, fn in _OWN.items():
+        setattr(Expression, name, fn)
+    Expression.argmax = _argmax
+    for name in dir(T):
+        if name.startswith("_") or name in _KEEP or name in _PROPERTIES or name in _OWN:
+            continue
+        func = getattr(T, name)
+        if not callable(func) or isinstance(func, type):
+            continue
+        if name in vars(Expression) or any(name in vars(k) for k in Expression.__mro__[1:-1]):
+            continue
+        setattr(Expression, name, _method(func))
+
+
+_install()
