@@ -190,7 +190,16 @@ def gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
 
 def _tree_output(i, o, u, c_children):
     c = sigmoid(i) * tanh(u) + c_children
-    return sigmoid(o) * tanh(c), c
+    return State(h=sigmoid(o) * tanh(c), c=c)
+
+
+class State:
+    """`fb.nn.State`'s twin: a cell's output `h` and memory cell `c`, read by name."""
+
+    __slots__ = ("h", "c")
+
+    def __init__(self, *, h: torch.Tensor, c: torch.Tensor):
+        self.h, self.c = h, c
 
 
 class _Twin:
@@ -224,8 +233,11 @@ class _LSTMCell(_Twin):
     def __call__(self, x, state=None):
         m = self.m
         if state is None:
-            state = (zeros(m.hidden_size), zeros(m.hidden_size))
-        return lstm_cell(x, *state, m.weight_ih, m.weight_hh, m.bias)
+            state = State(h=zeros(m.hidden_size), c=zeros(m.hidden_size))
+        elif isinstance(state, tuple):  # (h, c), as torch.nn.LSTMCell
+            state = State(h=state[0], c=state[1])
+        h, c = lstm_cell(x, state.h, state.c, m.weight_ih, m.weight_hh, m.bias)
+        return State(h=h, c=c)
 
 
 class _GRUCell(_Twin):
@@ -242,7 +254,7 @@ class _LSTM(_Twin):
         state, out = None, []
         for x in xs:
             state = cell(x, state)
-            out.append(state[0])
+            out.append(state.h)
         return out
 
     def __call__(self, xs):
@@ -270,8 +282,8 @@ class _TreeLSTMCell(_Twin):
 
     def __call__(self, children, x=None):
         m = self.m
-        hs = [h for h, _ in children]
-        cs = [c for _, c in children]
+        hs = [child.h for child in children]
+        cs = [child.c for child in children]
         H = m.hidden_size
         if m.child_sum:
             h_sum = esum(hs) if hs else zeros(H)

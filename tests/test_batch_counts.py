@@ -168,7 +168,7 @@ class TreeLSTM:
             if t.is_leaf:
                 return self.cell.leaf(fb.lookup(self.E, sum(map(ord, t.word)) % VOCAB))
             return self.cell([state(child) for child in t.children])
-        return state(tree)[0]
+        return state(tree).h
 
 
 @pytest.mark.parametrize("model", [TreeRNN, TreeLSTM], ids=lambda m: m.__name__)

@@ -30,6 +30,11 @@ def m(r, c):
     return fb.input(torch.randn(r, c))
 
 
+def child(n):
+    """A Tree-LSTM child's state with h and c of size n."""
+    return fb.nn.State.of(h=v(n), c=v(n))
+
+
 # (op named in the message, shapes named in the message, the offending call)
 SHAPE_ERRORS = [
     ("add", ["(3,)", "(4,)"], lambda: fb.add(v(3), v(4))),
@@ -93,10 +98,11 @@ NN_SHAPE_ERRORS = [
     ("GRUCell input", lambda: fb.nn.GRUCell(3, 2)(v(4))),
     ("GRUCell state", lambda: fb.nn.GRUCell(3, 2)(v(3), v(5))),
     ("TreeLSTMCell leaf input", lambda: fb.nn.TreeLSTMCell(3, 2).leaf(v(4))),
-    ("TreeLSTMCell child state", lambda: fb.nn.TreeLSTMCell(3, 2)([(v(2), v(2)), (v(2), v(3))])),
-    ("TreeLSTMCell node input", lambda: fb.nn.TreeLSTMCell(3, 2)([(v(2), v(2))] * 2, v(2))),
+    ("TreeLSTMCell child state", lambda: fb.nn.TreeLSTMCell(3, 2)([child(2), child(3)])),
+    ("TreeLSTMCell node input", lambda: fb.nn.TreeLSTMCell(3, 2)([child(2)] * 2, v(2))),
     ("child-sum TreeLSTMCell input",
-     lambda: fb.nn.TreeLSTMCell(3, 2, child_sum=True)([(v(2), v(2))], v(4))),
+     lambda: fb.nn.TreeLSTMCell(3, 2, child_sum=True)([child(2)], v(4))),
+    ("State of unequal h and c", lambda: fb.nn.State.of(h=v(2), c=v(3))),
     ("Linear input", lambda: fb.nn.Linear(3, 2)(v(4))),
     ("LSTM input", lambda: fb.nn.LSTM(3, 2)([v(3), v(4)])),
 ]

@@ -125,8 +125,8 @@ def test_lstm_cell_equals_torch_lstm_cell_with_copied_weights(strategy):
     expected.backward()
     with fb.Graph(strategy=strategy, dtype=F64):
         def fb_step(x, state):
-            h, c = ours(fb.input(x), state)
-            return h, c
+            state = ours(fb.input(x), state)
+            return state.h, state.c
         gen = torch.Generator().manual_seed(7)
         parts = []
         for xs in sequences:
@@ -175,10 +175,10 @@ def test_lstm_cell_starts_from_a_zero_state():
     cell = seeded(fb.nn.LSTMCell(IN, H).double())
     x = torch.randn(IN, dtype=F64)
     with fb.Graph(dtype=F64):
-        default = [s.value() for s in cell(fb.input(x))]
-        explicit = [s.value() for s in cell(fb.input(x), (fb.zeros(H), fb.zeros(H)))]
-    for a, b in zip(default, explicit):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        default = cell(fb.input(x))
+        explicit = cell(fb.input(x), (fb.zeros(H), fb.zeros(H)))
+        for a, b in ((default.h, explicit.h), (default.c, explicit.c)):
+            torch.testing.assert_close(a.value(), b.value(), rtol=0, atol=0)
 
 
 # ---- LSTM: bidirectional, multi-layer ------------------------------------------------------------
@@ -235,7 +235,7 @@ def nary_tree_lstm(B, blocks, tree, with_x=False):
         else:
             x = B.input(WORDS[depth]) if with_x else None
             state = cell([encode(child, depth + 1) for child in t], x)
-        outs.extend(state)
+        outs.extend((state.h, state.c))
         return state
 
     encode(tree)
@@ -276,7 +276,7 @@ def child_sum_tree_lstm(B, blocks, tree):
     def encode(t, word):
         children = [] if isinstance(t, int) else [encode(c, k) for k, c in enumerate(t)]
         state = cell(children, B.input(WORDS[(t if isinstance(t, int) else word) % 7]))
-        outs.extend(state)
+        outs.extend((state.h, state.c))
         return state
 
     encode(tree, 6)
@@ -294,7 +294,7 @@ def test_child_sum_leaf_is_a_node_without_children():
     with fb.Graph(dtype=F64):
         x = fb.input(WORDS[0])
         a, b = cell.leaf(x), cell([], x)
-        for s, t in zip(a, b):
+        for s, t in ((a.h, b.h), (a.c, b.c)):
             torch.testing.assert_close(s.value(), t.value(), rtol=0, atol=0)
 
 

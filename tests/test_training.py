@@ -36,7 +36,7 @@ class Tagger(torch.nn.Module):
         state = None
         for w in words:
             state = cell(embed(w), state)
-        return B.pick_neg_log_softmax(out(state[0]), label)
+        return B.pick_neg_log_softmax(out(state.h), label)
 
 
 def minibatches():

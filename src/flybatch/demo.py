@@ -32,7 +32,7 @@ class TreeSentiment(torch.nn.Module):
             state = self.cell.leaf(self.embed(vocab[tree.word]))
         else:
             state = self.cell([self.encode(child, vocab, losses) for child in tree.children])
-        losses.append(fb.pick_neg_log_softmax(self.out(state[0]), tree.label))
+        losses.append(fb.pick_neg_log_softmax(self.out(state.h), tree.label))
         return state
 
 

@@ -12,12 +12,14 @@ they only build graph nodes, and they are called once per instance per step.
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from . import _core, kernels, ops, signatures
+from .errors import ShapeError
 from .graph import Expression, Graph, Op
 from .ops import Operand
 
@@ -26,6 +28,25 @@ def _uniform(module: nn.Module, hidden_size: int) -> None:
     bound = 1.0 / math.sqrt(hidden_size)
     for p in module.parameters():
         nn.init.uniform_(p, -bound, bound)
+
+
+def _check_twin(ours: type, module: nn.Module, theirs: type, **options: object) -> None:
+    """`module` must be a `theirs` whose `options` have the values `ours` computes."""
+    if not isinstance(module, theirs):
+        raise TypeError(f"fb.nn.{ours.__name__}.from_torch takes a torch.nn.{theirs.__name__}, "
+                        f"not {type(module).__name__}")
+    for name, value in options.items():
+        if getattr(module, name) != value:
+            raise ValueError(f"fb.nn.{ours.__name__} computes torch.nn.{theirs.__name__}"
+                             f"({name}={value!r}) only, not {name}={getattr(module, name)!r}")
+
+
+def _with_weights_of(ours: nn.Module, theirs: nn.Module) -> nn.Module:
+    """`ours` on the dtype and device of torch module `theirs`, holding a copy of its weights."""
+    p = next(theirs.parameters())
+    ours = ours.to(device=p.device, dtype=p.dtype)
+    ours.load_state_dict(theirs.state_dict())
+    return ours
 
 
 class FusedModule(nn.Module):
@@ -58,12 +79,15 @@ class FusedModule(nn.Module):
 
 
 class State:
-    """A recurrent cell's state `(h, c)`, held as ONE node `[h; c]`.
+    """A recurrent cell's state: its output `state.h` and its memory cell `state.c`, held as ONE
+    node `[h; c]`.
 
-    It unpacks like a tuple (`h, c = state`, `state[0]`), but the slices for h and c become
-    nodes only when asked for: a cell given a State reads `[h; c]` directly, so the recurrence
-    itself costs no slice nodes (an RNN step is two nodes, a Tree-LSTM node one, plus the `h`
-    the model reads).
+    Read it by name: a State does not unpack (`h, c = state` and `state[0]` raise TypeError),
+    because per-instance code orders the pair both ways (`(h, c)` in torch.nn.LSTMCell, `(c, h)`
+    in many Tree-LSTMs) and a swap would silently train another model. The slices for h and c
+    become nodes only when asked for: a cell given a State reads `[h; c]` directly, so the
+    recurrence itself costs no slice nodes (an RNN step is two nodes, a Tree-LSTM node one, plus
+    the `h` the model reads). `State.of(h=..., c=...)` makes one from vectors of your own.
     """
 
     __slots__ = ("hc", "hidden", "_h", "_c")
@@ -72,14 +96,24 @@ class State:
         self.hc, self.hidden = hc, hidden
         self._h = self._c = None
 
+    @classmethod
+    def of(cls, *, h: Operand, c: Operand) -> "State":
+        """The State whose output is `h` and whose memory cell is `c` (one concat node)."""
+        if len(h.shape) != 1 or tuple(h.shape) != tuple(c.shape):
+            raise ShapeError(f"State.of: h {tuple(h.shape)} and c {tuple(c.shape)} must be "
+                             f"vectors of one size")
+        return cls(ops.concat([h, c]), h.shape[0])
+
     @property
     def h(self) -> Expression:
+        """The output (hidden state)."""
         if self._h is None:
             self._h = self._slice(0)
         return self._h
 
     @property
     def c(self) -> Expression:
+        """The memory cell."""
         if self._c is None:
             self._c = self._slice(self.hidden)
         return self._c
@@ -88,21 +122,36 @@ class State:
         return ops.slice_rows(self.hc, start, start + self.hidden)
 
     def __iter__(self):
-        return iter((self.h, self.c))
+        raise TypeError(_BY_NAME)
 
-    def __getitem__(self, i: int) -> Expression:
-        return (self.h, self.c)[i]
-
-    def __len__(self) -> int:
-        return 2
+    def __getitem__(self, i: object):
+        raise TypeError(_BY_NAME)
 
     def __repr__(self) -> str:
         return f"State({self.hc!r})"
 
 
-def _combined(state: "State | tuple[Operand, Operand]") -> Operand:
-    """`[h; c]` of a state: a State's own node, or one concat for a user-made (h, c) pair."""
-    return state.hc if isinstance(state, State) else ops.concat(list(state))
+_BY_NAME = ("an fb.nn.State is read by name, not position: use state.h and state.c (code that "
+            "orders the pair (c, h) would silently swap them)")
+
+
+def _combined(child: State) -> Operand:
+    """A Tree-LSTM child's `[h; c]`: a State only, as Tree-LSTM code orders its own pairs either
+    way; a tuple is refused rather than guessed."""
+    if not isinstance(child, State):
+        raise TypeError(f"TreeLSTMCell: a child must be an fb.nn.State, not "
+                        f"{type(child).__name__}; make one with fb.nn.State.of(h=..., c=...)")
+    return child.hc
+
+
+def _previous(state: "State | tuple[Operand, Operand]") -> Operand:
+    """An LSTM cell's previous `[h; c]`: a State, or `(h, c)` in torch.nn.LSTMCell's order."""
+    if isinstance(state, State):
+        return state.hc
+    if isinstance(state, (tuple, list)) and len(state) == 2:
+        return State.of(h=state[0], c=state[1]).hc
+    raise TypeError(f"LSTMCell: the previous state must be an fb.nn.State or an (h, c) pair, "
+                    f"not {type(state).__name__}")
 
 
 def _split(hc: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,10 +220,18 @@ def _lstm_kernel(xs, attr, shape):
 
 
 LSTM_CELL = Op("lstm_cell", _lstm_kernel)
+_TORCH_LSTM_KEY = re.compile(r"(weight_ih|weight_hh|bias_ih|bias_hh)_l(\d+)(_reverse)?")
 
 
 class LSTMCell(FusedModule):
-    """A standard LSTM cell (PyTorch's gate order i, f, g, o; one bias).
+    """A standard LSTM cell: torch.nn.LSTMCell's equations, gate order (i, f, g, o) and weights,
+    with ONE bias where torch has two that are only ever added (`bias = bias_ih + bias_hh`).
+
+    `cell(x, state=None)` returns a `State`; the previous state is a State or an `(h, c)` pair
+    in torch.nn.LSTMCell's order (None: zeros). `load_state_dict` takes torch.nn.LSTMCell's
+    state_dicts (summing the two biases) as well as its own, and `from_torch` copies a torch
+    cell. Per instance the outputs are torch's, and `bias.grad` equals the gradient torch gives
+    each of its two biases (they receive the same one).
 
     A step is two nodes: the input projection `W_ih x + b`, which depends on x only, and the
     recurrent cell. The agenda therefore runs the projections of ALL steps of all sequences as
@@ -189,9 +246,24 @@ class LSTMCell(FusedModule):
         self.bias = nn.Parameter(torch.empty(4 * hidden_size))
         _uniform(self, hidden_size)
 
-    def forward(self, x: Operand, state: State | None = None) -> State:
+    @classmethod
+    def from_torch(cls, module: nn.LSTMCell) -> "LSTMCell":
+        """The cell of a `torch.nn.LSTMCell` (with bias): its weights (copied), dtype, device."""
+        _check_twin(cls, module, nn.LSTMCell, bias=True)
+        return _with_weights_of(cls(module.input_size, module.hidden_size), module)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        ih, hh = prefix + "bias_ih", prefix + "bias_hh"
+        if ih in state_dict and hh in state_dict and prefix + "bias" not in state_dict:
+            state_dict[prefix + "bias"] = state_dict.pop(ih) + state_dict.pop(hh)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}"
+
+    def forward(self, x: Operand, state: State | tuple[Operand, Operand] | None = None) -> State:
         H = self.hidden_size
-        hc = (ops.zeros(2 * H, graph=ops.graph_of(x)) if state is None else _combined(state))
+        hc = (ops.zeros(2 * H, graph=ops.graph_of(x)) if state is None else _previous(state))
         projected = ops.affine(self.weight_ih, x, self.bias)
         out = self._fused(LSTM_CELL, (projected, hc), ((4 * H,), (2 * H,)), ("weight_hh",),
                           (2 * H,))
@@ -204,7 +276,10 @@ class LSTM(nn.Module):
     """Runs LSTM cells over a list of expressions; returns the top layer's outputs.
 
     With `bidirectional=True` each output is `[forward h_t; backward h_t]`, and a layer above
-    reads those concatenations.
+    reads those concatenations: torch.nn.LSTM's output for one sequence, step by step.
+    `load_state_dict` takes torch.nn.LSTM's state_dicts (`weight_ih_l{k}` is
+    `forward_cells[k].weight_ih`, `..._l{k}_reverse` a backward cell's, the two biases summed as
+    in `LSTMCell`) as well as its own, and `from_torch` copies a torch LSTM.
     """
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
@@ -219,6 +294,24 @@ class LSTM(nn.Module):
             self.forward_cells.append(LSTMCell(size, hidden_size))
             if bidirectional:
                 self.backward_cells.append(LSTMCell(size, hidden_size))
+
+    @classmethod
+    def from_torch(cls, module: nn.LSTM) -> "LSTM":
+        """The LSTM of a `torch.nn.LSTM`: its weights copied, its dtype and device. Its
+        `batch_first` means nothing here (the input is one instance's list of steps); options
+        fb.nn.LSTM does not compute (no bias, `proj_size`, dropout between layers) raise."""
+        _check_twin(cls, module, nn.LSTM, bias=True, proj_size=0, dropout=0.0)
+        ours = cls(module.input_size, module.hidden_size, module.num_layers, module.bidirectional)
+        return _with_weights_of(ours, module)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            torch_name = _TORCH_LSTM_KEY.fullmatch(key[len(prefix):])
+            if torch_name:
+                name, layer, reverse = torch_name.groups()
+                cells = "backward_cells" if reverse else "forward_cells"
+                state_dict[f"{prefix}{cells}.{layer}.{name}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @staticmethod
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
@@ -264,16 +357,27 @@ GRU_CELL = Op("gru_cell", _gru_kernel)
 
 
 class GRUCell(FusedModule):
-    """A GRU cell with PyTorch's equations and parameter layout (gates r, z, n)."""
+    """A GRU cell with torch.nn.GRUCell's equations and parameters (gates r, z, n; two biases,
+    as `bias_hn` sits inside `r * (W_hn h + b_hn)`): its state_dicts load either way, and
+    `from_torch` copies a torch cell. `cell(x, h=None)` returns the new `h` (None: zeros)."""
 
     def __init__(self, input_size: int, hidden_size: int):
         super().__init__()
-        self.hidden_size = hidden_size
+        self.input_size, self.hidden_size = input_size, hidden_size
         self.weight_ih = nn.Parameter(torch.empty(3 * hidden_size, input_size))
         self.weight_hh = nn.Parameter(torch.empty(3 * hidden_size, hidden_size))
         self.bias_ih = nn.Parameter(torch.empty(3 * hidden_size))
         self.bias_hh = nn.Parameter(torch.empty(3 * hidden_size))
         _uniform(self, hidden_size)
+
+    @classmethod
+    def from_torch(cls, module: nn.GRUCell) -> "GRUCell":
+        """The cell of a `torch.nn.GRUCell` (with bias): its weights (copied), dtype, device."""
+        _check_twin(cls, module, nn.GRUCell, bias=True)
+        return _with_weights_of(cls(module.input_size, module.hidden_size), module)
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}"
 
     def forward(self, x: Operand, h: Expression | None = None) -> Expression:
         if h is None:
@@ -336,6 +440,10 @@ TREE_CHILD_SUM = Op("tree_lstm_child_sum", _child_sum_kernel)
 
 class TreeLSTMCell(FusedModule):
     """Tree-LSTM cells (Tai et al. 2015): N-ary (ordered children) or child-sum.
+
+    `leaf` and a call return a `State`: read its output `state.h` and memory cell `state.c` by
+    name (it does not unpack). Children are States; make one from your own vectors with
+    `State.of(h=..., c=...)` (a tuple is refused: Tree-LSTM code orders it either way).
 
     N-ary: `leaf(x)` computes i, o, u from a word vector; `cell(children, x=None)` computes
     i, o, u from `[h_1; ...; h_N]` (and x if given) and one forget gate per child position:

@@ -116,8 +116,8 @@ class TreeLSTM(Task):
                 hc = self.cell([state.pop(id(ch)) for ch in node.children])
             state[id(node)] = hc
             if losses is not None:
-                losses.append(fb.pick_neg_log_softmax(self.out(hc[0]), node.label))
-        return state[id(tree)][0]
+                losses.append(fb.pick_neg_log_softmax(self.out(hc.h), node.label))
+        return state[id(tree)].h
 
     def forward_flybatch(self, batch, train):
         if not train:
