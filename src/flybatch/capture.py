@@ -31,7 +31,6 @@ value in the calls that follow (`Graph.shadows`).
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import threading
@@ -418,6 +417,31 @@ def _on_values(func: Callable, call: _Call) -> Any:
 
 
 # ---- direct batched calls ---------------------------------------------------------------------
+class _Bound:
+    """A batched kernel with its constants bound. It is part of a signature, so two are equal
+    when their function and constants are (a `functools.partial` would compare by identity and
+    give every call a signature of its own)."""
+
+    __slots__ = ("fn", "args", "key", "hash")
+
+    def __init__(self, fn: Callable, *args: Any):
+        self.fn, self.args = fn, args
+        self.key = (fn, _key(args))
+        self.hash = hash(self.key)
+
+    def __call__(self, batch, *consts):
+        return self.fn(*self.args, batch, *consts)
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other or isinstance(other, _Bound) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __repr__(self) -> str:
+        return getattr(self.fn, "__name__", "kernel")
+
+
 def _direct_kernel(xs, attr, shape):
     batched_fn, shared, consts = attr
     _, batch = _batch_operands(xs, shared)
@@ -484,7 +508,7 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
             call.kwargs = dict(call.kwargs, dim=shifted)
         else:
             call.args = call.args[:where] + (shifted,) + call.args[where + 1:]
-        fn = functools.partial(_apply_template, func, call.args, call.kwargs)
+        fn = _Bound(_apply_template, func, call.args, call.kwargs)
         return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
                        cheap=cheap)
 
@@ -504,7 +528,7 @@ def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
         structure = _meta_of(func, call)
         if not isinstance(structure[1], torch.dtype):
             return NotImplemented
-        fn = functools.partial(_apply_template, func, call.args, call.kwargs)
+        fn = _Bound(_apply_template, func, call.args, call.kwargs)
         return _direct(label, call, fn, (), *structure, shared=shared, cheap=cheap)
 
     return handler
@@ -524,7 +548,7 @@ def _elementwise(func: Callable, cheap: bool = True):
         if not isinstance(structure[1], torch.dtype):
             return NotImplemented
         shape, dtype = structure
-        fn = functools.partial(_aligned, func, call.args, call.kwargs, len(shape))
+        fn = _Bound(_aligned, func, call.args, call.kwargs, len(shape))
         return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
                        cheap=cheap)
 
@@ -582,7 +606,7 @@ def _setitem(g: Graph, target: torch.Tensor, key: Any, value: Any) -> Expression
     call = _Call((_current_value(g, target), value), {}, g)
     shape = g.shape_of(call.nodes[0])
     dtype = g.dtype_of(call.nodes[0])
-    return _direct("setitem", call, functools.partial(_setitem_batched, key), (), shape, dtype,
+    return _direct("setitem", call, _Bound(_setitem_batched, key), (), shape, dtype,
                    shared=(False, False))
 
 
@@ -601,7 +625,7 @@ def getitem(x: Expression, key: Any) -> Any:
         return _generic(torch.Tensor.__getitem__, (x, key), {})
     call = _Call((x, keys), {})
     shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
-    return _direct("getitem", call, functools.partial(_getitem_batched, keys), (), shape, dtype,
+    return _direct("getitem", call, _Bound(_getitem_batched, keys), (), shape, dtype,
                    shared=(False,), cheap=True)
 
 
@@ -677,7 +701,7 @@ def _stack(tensors, dim=0, **kwargs):
     ndim = len(call.graph.shape_of(call.nodes[0])) + 1
     shape, dtype = _meta_of(torch.stack, call)
     d = _dim(dim, ndim, "stack")
-    return _direct("stack", call, functools.partial(_stack_batched, d), (), shape, dtype,
+    return _direct("stack", call, _Bound(_stack_batched, d), (), shape, dtype,
                    shared=(False,) * len(call.nodes), cheap=True)
 
 
@@ -818,7 +842,7 @@ def _loss(func: Callable, n_inputs: int):
         shape, dtype = structure
         consts = (reduction, weight is not None, tuple(sorted(bound.items())))
         shared = (False,) * len(tensors) + ((True,) if weight is not None else ())
-        return _direct(label, call, functools.partial(_loss_batched, func, weighted), consts,
+        return _direct(label, call, _Bound(_loss_batched, func, weighted), consts,
                        shape, dtype, shared)
 
     return handler
@@ -884,13 +908,13 @@ def _cell(func: Callable, outputs: int):
             return NotImplemented
         hidden = w_hh.shape[1]
         packed = (x_shape[0], outputs * hidden)
-        fn = functools.partial(_cell_batched, func, len(states), b_ih is not None)
+        fn = _Bound(_cell_batched, func, len(states), b_ih is not None)
         node = _direct(func.__name__, call, fn, (), packed, g.dtype, shared)
         if outputs == 1:
             return node
-        h = _direct("narrow", _Call((node,), {}, g), functools.partial(_narrow, 0, hidden), (),
+        h = _direct("narrow", _Call((node,), {}, g), _Bound(_narrow, 0, hidden), (),
                     (x_shape[0], hidden), g.dtype, (False,), cheap=True)
-        c = _direct("narrow", _Call((node,), {}, g), functools.partial(_narrow, hidden, hidden),
+        c = _direct("narrow", _Call((node,), {}, g), _Bound(_narrow, hidden, hidden),
                     (), (x_shape[0], hidden), g.dtype, (False,), cheap=True)
         return h, c
 
