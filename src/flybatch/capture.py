@@ -940,62 +940,94 @@ def _cell_batched(func, n_states, has_bias, batch):
     return out.reshape(size, rows, -1)
 
 
-def _rnn(func: Callable, cell: Callable, gates: int):
-    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence:
-    unrolled into one cell node per step, layer and direction, so that step t of every
-    instance runs as one batched cell whatever the lengths (and a layer's input projections
-    for all steps of all instances as ONE matrix product)."""
+def _lstm_step_batched(has_bias, hidden, batch):
+    """One LSTM step of a batch: x [B, rows, in], packed state [B, rows, 2H] ([h; c], the
+    layout the step returns, so a sequence never slices c out), weights shared."""
+    x, hc, w_ih, w_hh, *biases = batch
+    size, rows = x.shape[0], x.shape[1]
+    hc = hc.reshape(size * rows, 2 * hidden)
+    h, c = torch.lstm_cell(x.reshape(size * rows, -1), (hc[:, :hidden], hc[:, hidden:]), w_ih,
+                           w_hh, *(biases if has_bias else (None, None)))
+    return torch.cat([h, c], -1).reshape(size, rows, 2 * hidden)
+
+
+def _gru_step_batched(has_bias, batch):
+    x, h, w_ih, w_hh, *biases = batch
+    size, rows = x.shape[0], x.shape[1]
+    out = torch.gru_cell(x.reshape(size * rows, -1), h.reshape(size * rows, -1), w_ih, w_hh,
+                         *(biases if has_bias else (None, None)))
+    return out.reshape(size, rows, -1)
+
+
+def _rnn(gates: int):
+    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence,
+    unrolled into one cell node per step, layer and direction: step t of every instance runs
+    as one batched cell whatever the lengths. Step inputs are picks of the sequence (`x[t]`,
+    the index per node, so they batch across steps too); an LSTM carries its state packed as
+    [h; c] and slices h out only where a layer's output is read."""
     lstm = gates == 4
 
     def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                 batch_first):
-        if not isinstance(input, Expression) or isinstance(params, Expression):
+        if not isinstance(input, Expression) or len(input.shape) != 3 \
+                or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
         g = input.graph
-        shape = input.shape
-        if len(shape) != 3:
-            return NotImplemented
-        seq_dim, batch_dim = (1, 0) if batch_first else (0, 1)
-        length, rows = shape[seq_dim], shape[batch_dim]
+        if batch_first:
+            input = input.transpose(0, 1)  # (length, rows, features)
+        length, rows = input.shape[0], input.shape[1]
         directions = 2 if bidirectional else 1
         per_layer = 4 if has_biases else 2
-        if lstm:
-            h0, c0 = hx
-        else:
-            h0, c0 = hx, None
-        xs = [input.select(seq_dim, t) for t in range(length)]  # (rows, features) per step
+        h0, c0 = hx if lstm else (hx, None)
+        xs = [input[t] for t in range(length)]  # (rows, features) each
         finals_h, finals_c = [], []
         for layer in range(num_layers):
             outs_by_direction = []
             for direction in range(directions):
                 k = layer * directions + direction
-                w = params[k * per_layer:(k + 1) * per_layer]
-                w_ih, w_hh = w[0], w[1]
-                b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-                h = h0[k]
-                c = c0[k] if lstm else None
+                weights = tuple(params[k * per_layer:(k + 1) * per_layer])
+                hidden = weights[1].shape[1]
+                state = torch.cat([h0[k], c0[k]], -1) if lstm else h0[k]
                 order = range(length) if direction == 0 else range(length - 1, -1, -1)
-                outs = [None] * length
+                states = [None] * length
                 for t in order:
-                    if lstm:
-                        h, c = cell(xs[t], (h, c), w_ih, w_hh, b_ih, b_hh)
-                    else:
-                        h = cell(xs[t], h, w_ih, w_hh, b_ih, b_hh)
-                    outs[t] = h
-                outs_by_direction.append(outs)
-                finals_h.append(h)
-                finals_c.append(c)
-            xs = outs_by_direction[0] if directions == 1 else \
-                [torch.cat([f, b], -1) for f, b in zip(*outs_by_direction)]
-            if dropout and train and layer < num_layers - 1:
+                    call = _Call((xs[t], state) + weights, {}, g, weights=(2, 3, 4, 5))
+                    shared = call.weights_shared()
+                    fn = _Bound(_lstm_step_batched, has_biases, hidden) if lstm else \
+                        _Bound(_gru_step_batched, has_biases)
+                    state = _direct("lstm_step" if lstm else "gru_step", call, fn, (),
+                                    (rows, (2 if lstm else 1) * hidden), g.dtype, shared)
+                    states[t] = state
+                outs_by_direction.append(states)
+                finals_h.append(state[..., :hidden] if lstm else state)
+                finals_c.append(state[..., hidden:] if lstm else None)
+            last = layer == num_layers - 1
+            if last:
+                break
+            xs = [_hidden_of(outs, lstm) for outs in outs_by_direction]
+            xs = xs[0] if directions == 1 else [torch.cat(pair, -1) for pair in zip(*xs)]
+            if dropout and train:
                 xs = [F.dropout(x, dropout, True) for x in xs]
-        output = torch.stack(xs, seq_dim)
+        # The top layer's output: one stack per direction, h sliced once for all steps.
+        outputs = [torch.stack(states, 0) for states in outs_by_direction]
+        if lstm:
+            outputs = [out[..., :hidden] for out in outputs]
+        output = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if batch_first:
+            output = output.transpose(0, 1)
         h_n = torch.stack(finals_h, 0)
         if lstm:
-            return output, h_n, torch.stack(finals_c, 0)
+            return output, h_n, torch.stack(finals_c, 0)  # as torch.lstm: flat
         return output, h_n
 
     return handler
+
+
+def _hidden_of(states, lstm):
+    if not lstm:
+        return states
+    hidden = states[0].shape[-1] // 2
+    return [s[..., :hidden] for s in states]
 
 
 _HANDLERS: dict[Callable, Callable] = {}
@@ -1088,8 +1120,8 @@ _register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
 _register((torch.gru_cell,), _cell(torch.gru_cell, 1))
 _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
 _register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
-_register((torch.lstm,), _rnn(torch.lstm, _HANDLERS[torch.lstm_cell], 4))
-_register((torch.gru,), _rnn(torch.gru, _HANDLERS[torch.gru_cell], 3))
+_register((torch.lstm,), _rnn(4))
+_register((torch.gru,), _rnn(3))
 
 
 # ---- expressions as per-instance tensors ---------------------------------------------------
