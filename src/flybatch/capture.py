@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import kernels, ops
 from .errors import ShapeError
-from .graph import Expression, Graph, Op, _current, current_graph
+from .graph import PARAMETER, Expression, Graph, Op, _current, current_graph
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -185,7 +185,12 @@ class _Slot:
 
 
 class _Call:
-    """A call taken apart: its graph, the operand nodes and the template they fill."""
+    """A call taken apart in one pass: its graph, the operand nodes (with their shapes, dtypes
+    and whether they are parameters), the template they fill and `key`, a hashable form of
+    the call's constants and structure (with the function and the operand shapes, it decides
+    the output shape; with the operands' signature parts, the call's signature)."""
+
+    __slots__ = ("graph", "nodes", "operands", "params", "weight", "args", "kwargs", "key")
 
     def __init__(self, args: tuple, kwargs: dict, graph: Graph | None = None,
                  weights: tuple = ()):
@@ -193,41 +198,59 @@ class _Call:
         parameters shared by the batch (F.linear's weight); every other operand is batched."""
         self.graph = graph or _graph_of(args, kwargs)
         self.nodes: list[int] = []
+        self.operands: list[tuple] = []  # (shape, dtype) per operand
+        self.params: list[bool] = []  # per operand: a parameter node
         self.weight: list[bool] = []  # per operand: from a weight argument
-        self.args = tuple(self._template(x, i in weights) for i, x in enumerate(args))
-        self.kwargs = {k: self._template(v, k in weights) for k, v in kwargs.items()}
+        spec: list = []
+        self.args = tuple([self._template(x, i in weights, spec) for i, x in enumerate(args)])
+        self.kwargs = {}
+        if kwargs:
+            spec.append("|")
+            for k, v in kwargs.items():
+                spec.append(k)
+                self.kwargs[k] = self._template(v, k in weights, spec)
+        self.key = tuple(spec)
 
-    def _template(self, x: Any, weight: bool = False) -> Template:
+    def _template(self, x: Any, weight: bool, spec: list) -> Template:
+        kind = type(x)
+        if kind is int or kind is str or x is None:
+            spec.append(x)
+            return x
         if isinstance(x, Expression):
-            return self._slot(self.graph.node_of(x), weight)
+            return self._slot(self.graph.node_of(x), weight, spec)
         if isinstance(x, torch.Tensor):
-            return self._slot(node_of_tensor(self.graph, x), weight)
-        if type(x) in (list, tuple):
-            return type(x)(self._template(y, weight) for y in x)
+            return self._slot(node_of_tensor(self.graph, x), weight, spec)
+        if kind is tuple or kind is list:
+            spec.append("(" if kind is tuple else "[")
+            out = kind([self._template(y, weight, spec) for y in x])
+            spec.append(")")
+            return out
+        spec.append(_key(x))
         return x
 
-    def _slot(self, node: int, weight: bool) -> _Slot:
+    def _slot(self, node: int, weight: bool, spec: list) -> _Slot:
+        g = self.graph
+        spec.append("#")
         self.nodes.append(node)
+        self.operands.append((g.shape_of(node), g.node_dtypes.get(node) or g.dtype))
+        self.params.append(g.op_of(node) is PARAMETER)
         self.weight.append(weight)
         return _Slot(len(self.nodes) - 1)
 
     def weights_shared(self) -> tuple[bool, ...] | None:
         """Per operand, shared (a weight argument that is a parameter); None if some weight
         argument is not a parameter (a per-instance weight: the generic path batches it)."""
-        shared = self.shared()
-        if any(w and not s for w, s in zip(self.weight, shared)):
+        if any(w and not p for w, p in zip(self.weight, self.params)):
             return None
         return tuple(self.weight)
 
     def shapes(self) -> tuple:
-        g = self.graph
-        return tuple((g.shape_of(n), g.dtype_of(n)) for n in self.nodes)
+        return tuple(self.operands)
 
     def shared(self) -> tuple[bool, ...]:
         """Which operands are one node for every instance (parameters): passed to a kernel
         once, and named by node in the signature so that a batch shares them."""
-        g = self.graph
-        return tuple(g.op_of(n).name == "parameter" for n in self.nodes)
+        return tuple(self.params)
 
 
 def _graph_of(args: tuple, kwargs: dict) -> Graph:
@@ -259,28 +282,33 @@ def _fill(template: Template, xs) -> Any:
 
 
 def _key(template: Template) -> Any:
-    """A hashable form of a template's constants (Python 3.11 slices are not hashable; a float
-    is keyed by its repr, so that 0.0 and -0.0, or NaNs, are told apart)."""
-    if isinstance(template, _Slot):
+    """A hashable form of a template's constants: Python 3.11 slices are not hashable; a float
+    is keyed by its repr (0.0 and -0.0, or NaNs, told apart) and a bool by its type (True is
+    not dim 1). Dispatch on the exact type first: this runs for every recorded call."""
+    kind = type(template)
+    if kind is int or kind is str or template is None:
+        return template
+    if kind is _Slot:
         return "#"
-    if type(template) in (list, tuple):
-        return (type(template).__name__,) + tuple(_key(t) for t in template)
-    if isinstance(template, dict):
-        return tuple((k, _key(v)) for k, v in template.items())
-    if isinstance(template, slice):
-        return ("slice", _key(template.start), _key(template.stop), _key(template.step))
-    if isinstance(template, float):
+    if kind is tuple or kind is list:
+        return (kind.__name__,) + tuple([_key(t) for t in template])
+    if kind is float:
         return ("float", repr(template))
-    if template is None or isinstance(template, (bool, int, str, torch.dtype, torch.device,
-                                                  torch.layout, torch.memory_format,
-                                                  type(Ellipsis))):
+    if kind is bool:
+        return ("bool", template)
+    if kind is slice:
+        return ("slice", _key(template.start), _key(template.stop), _key(template.step))
+    if kind is dict:
+        return tuple([(k, _key(v)) for k, v in template.items()])
+    if isinstance(template, (torch.dtype, torch.device, torch.layout, torch.memory_format,
+                             type(Ellipsis), int, str)):
         return template
     try:
         hash(template)
-        return (type(template).__name__, template)
+        return (kind.__name__, template)
     except TypeError:
         raise TypeError(f"cannot record a call with the argument {template!r} "
-                        f"({type(template).__name__}) on a flybatch expression") from None
+                        f"({kind.__name__}) on a flybatch expression") from None
 
 
 # ---- output shapes, from meta tensors ---------------------------------------------------------
@@ -293,7 +321,7 @@ class _DataDependent(Exception):
 
 def _meta_outputs(func: Callable, call: _Call) -> Any:
     """The structure of `func`'s output for these operands: a (shape, dtype) per tensor."""
-    key = (func, _key(call.args), _key(call.kwargs), call.shapes())
+    key = (func, call.key, call.shapes())
     out = _META.get(key)
     if out is None:
         metas = [torch.empty(s, dtype=d, device="meta") for s, d in call.shapes()]
@@ -346,9 +374,8 @@ def _node(g: Graph, op: Op, nodes, shape: tuple, key: tuple, attr: Any,
 
 def _signature(call: _Call, shared: tuple[bool, ...]) -> tuple:
     """Operand part of a signature: each operand's shape and dtype; a shared one's node."""
-    g = call.graph
-    return tuple(("P", n) if s else (g.shape_of(n), g.dtype_of(n))
-                 for n, s in zip(call.nodes, shared))
+    return tuple(("P", n) if s else operand
+                 for n, s, operand in zip(call.nodes, shared, call.operands))
 
 
 # ---- generic nodes: vmap over the batch -------------------------------------------------------
@@ -389,7 +416,7 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     if structure is _DataDependent:
         return _on_values(func, call)
     shared = call.shared()
-    base = (_name(func), func, _key(call.args), _key(call.kwargs), _signature(call, shared))
+    base = (_name(func), func, call.key, _signature(call, shared))
     single = not isinstance(structure[1], type)
 
     def make(k, shape, dtype):
@@ -424,9 +451,10 @@ class _Bound:
 
     __slots__ = ("fn", "args", "key", "hash")
 
-    def __init__(self, fn: Callable, *args: Any):
+    def __init__(self, fn: Callable, *args: Any, key: Any = None):
+        """`key`: the constants' key when the caller has it (a `_Call.key`), else made here."""
         self.fn, self.args = fn, args
-        self.key = (fn, _key(args))
+        self.key = (fn, _key(args) if key is None else key)
         self.hash = hash(self.key)
 
     def __call__(self, batch, *consts):
@@ -508,7 +536,7 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
             call.kwargs = dict(call.kwargs, dim=shifted)
         else:
             call.args = call.args[:where] + (shifted,) + call.args[where + 1:]
-        fn = _Bound(_apply_template, func, call.args, call.kwargs)
+        fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
         return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
                        cheap=cheap)
 
@@ -528,7 +556,7 @@ def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
         structure = _meta_of(func, call)
         if not isinstance(structure[1], torch.dtype):
             return NotImplemented
-        fn = _Bound(_apply_template, func, call.args, call.kwargs)
+        fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
         return _direct(label, call, fn, (), *structure, shared=shared, cheap=cheap)
 
     return handler
@@ -548,7 +576,8 @@ def _elementwise(func: Callable, cheap: bool = True):
         if not isinstance(structure[1], torch.dtype):
             return NotImplemented
         shape, dtype = structure
-        fn = _Bound(_aligned, func, call.args, call.kwargs, len(shape))
+        fn = _Bound(_aligned, func, call.args, call.kwargs, len(shape),
+                    key=(call.key, len(shape)))
         return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
                        cheap=cheap)
 
@@ -625,7 +654,7 @@ def getitem(x: Expression, key: Any) -> Any:
         return _generic(torch.Tensor.__getitem__, (x, key), {})
     call = _Call((x, keys), {})
     shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
-    return _direct("getitem", call, _Bound(_getitem_batched, keys), (), shape, dtype,
+    return _direct("getitem", call, _Bound(_getitem_batched, keys, key=call.key), (), shape, dtype,
                    shared=(False,), cheap=True)
 
 
