@@ -661,6 +661,17 @@ def getitem(x: Expression, key: Any) -> Any:
 ops._getitem = getitem
 
 
+def _tensor_getitem(x, key):
+    """`E[w]` on a parameter with an int: a row lookup (all lookups of one table batch into one
+    embedding call, whatever the rows); an expression goes to `getitem`."""
+    if isinstance(x, Expression):
+        return x[key]
+    if type(key) is int and x.requires_grad and x.is_leaf and x.dim() >= 1 and \
+            x.is_floating_point():
+        return ops.lookup(x, key) if x.dim() == 2 else _generic(T.__getitem__, (x, key), {})
+    return NotImplemented
+
+
 # ---- the fast mappings ------------------------------------------------------------------------
 def _is_float(g: Graph, x: Any) -> bool:
     if isinstance(x, Expression):
@@ -1131,6 +1142,7 @@ for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, tor
     if _func is not None:
         _register((_func,), _elementwise(_func))
 _register((F.linear, torch._C._nn.linear), _linear)
+_register((T.__getitem__,), _tensor_getitem)
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _as_is(F.group_norm, weights=(2, 3, "weight", "bias")))

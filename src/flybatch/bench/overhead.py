@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 import flybatch as fb
 from flybatch import scheduling
@@ -55,6 +56,54 @@ def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
     return graph, seconds
 
 
+def build_torch_native(n_nodes: int, seed: int = 0) -> tuple[int, float, int]:
+    """The same graph written as plain torch code inside `with fb.Graph()` (the capture layer
+    records each torch call); returns its nodes, the seconds spent and the torch calls made."""
+    torch.manual_seed(seed)
+    W = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+    U = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+    b = torch.nn.Parameter(torch.zeros(HIDDEN))
+    E = torch.nn.Parameter(torch.randn(1000, HIDDEN))
+    O = torch.nn.Parameter(torch.randn(5, HIDDEN))
+    rng = random.Random(seed)
+    lengths, total = [], 0
+    while total < n_nodes:
+        length = rng.randint(5, 60)
+        lengths.append(length)
+        total += OPS_PER_STEP * length + 2
+    words = [[rng.randrange(1000) for _ in range(n)] for n in lengths]
+    labels = [torch.tensor(rng.randrange(5)) for _ in lengths]
+    zero = torch.zeros(HIDDEN)
+    calls = sum(4 * len(sentence) + 2 for sentence in words)
+    with fb.Graph() as graph:
+        start = time.perf_counter()
+        for sentence, label in zip(words, labels):
+            h = zero
+            for w in sentence:  # E[w], F.linear twice, +, tanh
+                h = torch.tanh(F.linear(h, W, b) + F.linear(E[w], U))
+            F.cross_entropy(F.linear(h, O), label)
+        seconds = time.perf_counter() - start
+        nodes = graph.n_nodes
+    return nodes, seconds, calls
+
+
+def measure_capture(n_nodes: int, repeats: int) -> dict:
+    per_call, per_node, fb_per_node = [], [], []
+    build_torch_native(200)  # first calls meet new signatures: output shapes from meta tensors
+    for r in range(repeats):
+        gc.collect()
+        nodes, seconds, calls = build_torch_native(n_nodes, seed=r)
+        per_call.append(seconds / calls * 1e6)
+        per_node.append(seconds / nodes * 1e6)
+        gc.collect()
+        graph, seconds = build(n_nodes, "agenda", seed=r)
+        fb_per_node.append(seconds / graph.n_nodes * 1e6)
+        graph.close()
+    return {"nodes": n_nodes, "capture_us_per_call": statistics.median(per_call),
+            "capture_us_per_node": statistics.median(per_node),
+            "fb_ops_us_per_node": statistics.median(fb_per_node)}
+
+
 def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
     build_us, schedule_us, batches = [], [], 0
     for r in range(repeats):
@@ -89,10 +138,20 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"| {row['nodes']} | {row['strategy']} | {row['build_us_per_node']:.2f} | "
               f"{row['schedule_us_per_node']:.2f} | {row['batches']} |")
+    # Torch-native code (capture.py): the same model as torch calls, recorded one call each.
+    captured = [measure_capture(size, args.repeats) for size in args.sizes if size <= 100_000]
+    print()
+    print("| nodes | torch-native build us/call | us/node | fb ops build us/node |")
+    print("|---|---|---|---|")
+    for row in captured:
+        print(f"| {row['nodes']} | {row['capture_us_per_call']:.2f} | "
+              f"{row['capture_us_per_node']:.2f} | {row['fb_ops_us_per_node']:.2f} |")
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps({"task": "overhead", **row}) + "\n")
+            for row in captured:
+                f.write(json.dumps({"task": "overhead-capture", **row}) + "\n")
 
 
 if __name__ == "__main__":
