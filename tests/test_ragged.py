@@ -181,7 +181,7 @@ def child_sum(B, cell, trees) -> list:
     def encode(tree):
         word, children = tree
         state = cell([encode(c) for c in children], B.input(WORDS[word]))
-        outs.extend(state)
+        outs.extend([state.h, state.c])
         return state
 
     for t in trees:
@@ -222,6 +222,6 @@ def test_child_sum_cell_over_mixed_arities_matches_eager(strategy):
 def test_child_sum_cell_rejects_a_child_state_of_the_wrong_size():
     cell = seeded_cell()
     with fb.Graph(dtype=F64):
-        bad = (fb.zeros(D + 1), fb.zeros(D + 1))
+        bad = fb.nn.State.of(h=fb.zeros(D + 1), c=fb.zeros(D + 1))
         with pytest.raises(fb.ShapeError, match="child 0"):
             cell([bad], fb.input(WORDS[0]))

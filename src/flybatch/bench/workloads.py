@@ -269,8 +269,8 @@ def child_sum_cell_loss(B, P, tree):
 
     def encode(node):
         word, children = node
-        h, c = state = cell([encode(child) for child in children], B.lookup(P["E"], word))
-        losses.append(_mlp_loss(B, P, h, word % LABELS))
+        state = cell([encode(child) for child in children], B.lookup(P["E"], word))
+        losses.append(_mlp_loss(B, P, state.h, word % LABELS))
         return state
     encode(tree)
     return B.esum(losses)
