@@ -225,3 +225,19 @@ def test_child_sum_cell_rejects_a_child_state_of_the_wrong_size():
         bad = fb.nn.State.of(h=fb.zeros(D + 1), c=fb.zeros(D + 1))
         with pytest.raises(fb.ShapeError, match="child 0"):
             cell([bad], fb.input(WORDS[0]))
+
+
+def test_child_sum_cell_reads_children_computed_by_an_earlier_forward():
+    cell = seeded_cell()
+
+    def build(B, peek: bool):
+        c = eager.twin(cell) if B is eager else cell
+        leaves = [c([], B.input(x)) for x in WORDS[:4]]
+        if peek:
+            leaves[0].h.value()  # a forward: the leaves are done before their parents exist
+        mid = c(leaves[:3], B.input(WORDS[4]))
+        return [c([mid, leaves[3]], B.input(WORDS[5])).h, c([leaves[1]], B.input(WORDS[6])).c]
+
+    params = list(cell.parameters())
+    eager.assert_same(eager.run(fb, "auto", F64, lambda B: build(B, True), params),
+                      eager.run(eager, "eager", F64, lambda B: build(B, False), params), F64)
