@@ -135,6 +135,19 @@ def esum(xs):
 
 def average(xs): return esum(xs) / len(xs)
 def emax(xs): return torch.stack([_t(x) for x in xs]).max(0).values
+
+
+def logsumexp(xs):
+    x = torch.stack([_t(x) for x in xs])
+    top = x.max(0).values.detach()
+    return top + torch.log(torch.exp(x - top).sum(0))
+
+
+def attention(keys, query, values=None):
+    """softmax(K q) @ V with the keys (values) as the rows of K (V)."""
+    K = torch.stack([_t(k) for k in keys])
+    V = K if values is None else torch.stack([_t(v) for v in values])
+    return softmax(K @ _t(query)) @ V
 def concat(xs, dim: int = 0): return torch.cat([_t(x) for x in xs], dim)
 
 
@@ -146,11 +159,16 @@ def squared_distance(a, b): return squared_norm(_t(a) - _t(b))
 
 
 def softmax(x):
+    """Of a vector; of a list of scalars, the list of their softmax weights."""
+    if isinstance(x, (list, tuple)):
+        return list(softmax(torch.stack([_t(s) for s in x])).unbind())
     e = torch.exp(_t(x) - _t(x).max())
     return e / e.sum()
 
 
 def log_softmax(x):
+    if isinstance(x, (list, tuple)):
+        return list(log_softmax(torch.stack([_t(s) for s in x])).unbind())
     x = _t(x)
     return x - torch.logsumexp(x, 0)
 

@@ -13,11 +13,11 @@ except ImportError as error:
                       "(needs a C++17 compiler)") from error
 from .errors import ExecutionError, GraphError, ShapeError
 from .graph import Expression, Graph, current_graph, new_graph
-from .ops import (abs, add, affine, average, cdiv, cmult, concat, div, dot, dropout, emax, esum,
-                  exp, input, log, log_softmax, logistic, lookup, matmul, mean_elems, mul, neg,
-                  ones, parameter, pick, pick_neg_log_softmax, rectify, relu, reshape, sigmoid,
-                  slice_rows, softmax, sqrt, square, squared_distance, squared_norm, sub,
-                  sum_elems, tanh, transpose, zeros)
+from .ops import (abs, add, affine, attention, average, cdiv, cmult, concat, div, dot, dropout,
+                  emax, esum, exp, input, log, log_softmax, logistic, logsumexp, lookup, matmul,
+                  mean_elems, mul, neg, ones, parameter, pick, pick_neg_log_softmax, rectify,
+                  relu, reshape, sigmoid, slice_rows, softmax, sqrt, square, squared_distance,
+                  squared_norm, sub, sum_elems, tanh, transpose, zeros)
 from .stats import Stats
 from .concurrent import MapBatchedError, map_batched
 from . import nn  # noqa: E402  (needs the ops above)
@@ -26,10 +26,10 @@ from . import distributed  # noqa: E402  (fb.distributed: data-parallel training
 
 __all__ = [
     "ExecutionError", "Expression", "Graph", "GraphError", "ShapeError", "Stats", "abs", "add", "affine", "average",
-    "cdiv", "cmult", "concat", "current_graph", "div", "dot", "dropout", "emax", "esum", "exp",
-    "input", "log", "log_softmax", "logistic", "lookup", "matmul", "mean_elems", "mul", "neg",
-    "new_graph", "nn", "ones", "parameter", "pick", "pick_neg_log_softmax", "rectify", "relu",
-    "reshape", "sigmoid", "slice_rows", "softmax", "sqrt", "square", "squared_distance",
-    "squared_norm", "sub", "sum_elems", "tanh", "transpose", "zeros",
-    "MapBatchedError", "map_batched",
+    "attention", "cdiv", "cmult", "concat", "current_graph", "div", "dot", "dropout", "emax",
+    "esum", "exp", "input", "log", "log_softmax", "logistic", "logsumexp", "lookup", "matmul",
+    "mean_elems", "mul", "neg", "new_graph", "nn", "ones", "parameter", "pick",
+    "pick_neg_log_softmax", "rectify", "relu", "reshape", "sigmoid", "slice_rows", "softmax",
+    "sqrt", "square", "squared_distance", "squared_norm", "sub", "sum_elems", "tanh", "transpose",
+    "zeros", "MapBatchedError", "map_batched",
 ]

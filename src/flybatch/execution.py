@@ -35,7 +35,7 @@ Read = tuple
 
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
-    reads, batch_reads = _plan_reads(graph, plan)
+    reads, batch_reads = _plan_with_fixed(graph, plan)
     fanned = _plan_fan_outs(graph, plan, reads)
     pieces: dict[int, torch.Tensor] = {}
     for source in [s for s in fanned if s < plan.first_batch]:
@@ -50,7 +50,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
             size = len(nodes)
             xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
             if op.ragged:
-                attr = stacked  # each node's number of arguments
+                attr = stacked  # each node's number of list items
             else:
                 if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
                     arg_shape = shape_of(graph.args_of(first)[0])
@@ -114,6 +114,35 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
 
 
 # ---- planning ----------------------------------------------------------------------------------
+def _plan_with_fixed(graph: "Graph", plan: Schedule
+                     ) -> tuple[list[Read], list[tuple[list[int], int | np.ndarray]]]:
+    """`_plan_reads`, and the reads of ragged ops whose first `fixed` arguments are not part of
+    the list (`ops.RaggedOp`: a child-sum cell's input and parameters): those are read one
+    column each, as a plain op's, then the lists of all nodes as one flat argument (none when
+    every list of the batch is empty); the arities are the lists' lengths."""
+    fixed = [getattr(graph.op_of(nodes[0]), "fixed", 0) for nodes in plan.batches]
+    if not any(fixed):
+        return _plan_reads(graph, plan)
+    others = [nodes for nodes, k in zip(plan.batches, fixed) if not k]
+    reads, planned = _plan_reads(graph, Schedule(plan.start, plan.first_batch, others,
+                                                 plan.arg_ptr, plan.arg_flat))
+    planned = iter(planned)
+    batch_reads = []
+    for nodes, k in zip(plan.batches, fixed):
+        if not k:
+            batch_reads.append(next(planned))
+            continue
+        local = nodes - plan.start
+        begin = plan.arg_ptr[local]
+        lengths = plan.arg_ptr[local + 1] - begin - k
+        columns = list(plan.arg_flat[begin[:, None] + np.arange(k)].T)
+        if lengths.any():  # item j of node i's list is argument k + j
+            starts = np.repeat(begin + k - np.cumsum(lengths) + lengths, lengths)
+            columns.append(plan.arg_flat[starts + np.arange(int(lengths.sum()))])
+        batch_reads.append((_classify(graph, columns, reads), lengths))
+    return reads, batch_reads
+
+
 def _plan_reads(graph: "Graph", plan: Schedule
                 ) -> tuple[list[Read], list[tuple[list[int], int | np.ndarray]]]:
     """Every read of every batch, as data: `reads[k]`, and per batch the read ids of its

@@ -420,22 +420,29 @@ def _nary_kernel(xs, attr, shape):
     return _finish(iou, c)
 
 
-def _child_sum_kernel(xs, attr, shape):
-    n = attr
-    hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in xs[:n]]) if n else ((), ())
-    x, w_iou, u_iou, w_f, u_f, b_iou, b_f = xs[n:]
+def _child_sum_kernel(xs, lengths, shape):
+    x, w_iou, u_iou, w_f, u_f, b_iou, b_f, *children = xs
+    x = x.expand(len(lengths), -1)
     iou = kernels.linear(x, w_iou.squeeze(0), b_iou.squeeze(0))
-    if n == 0:
+    if not children:  # no node of the batch has children
         return _finish(iou, None)
-    iou = iou + kernels.linear(sum(hs[1:], hs[0]), u_iou.squeeze(0))
+    # Every child of every node, flat; sums over each node's children are segment sums.
+    h, c = _split(children[0].expand(int(lengths.sum()), -1), shape[0] // 2)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.from_numpy(lengths))
+    rows = rows.to(h.device)
+    h_sum = h.new_zeros(len(lengths), h.shape[1]).index_add(0, rows, h)
+    iou = iou + kernels.linear(h_sum, u_iou.squeeze(0))
     fx = kernels.linear(x, w_f.squeeze(0), b_f.squeeze(0))
-    c = sum(torch.sigmoid(fx + kernels.linear(h, u_f.squeeze(0))) * ck for h, ck in zip(hs, cs))
-    return _finish(iou, c)
+    f = torch.sigmoid(fx.index_select(0, rows) + kernels.linear(h, u_f.squeeze(0)))
+    return _finish(iou, h.new_zeros(len(lengths), h.shape[1]).index_add(0, rows, f * c))
 
 
 TREE_LEAF = Op("tree_lstm_leaf", _tree_leaf_kernel)
 TREE_NARY = Op("tree_lstm_nary", _nary_kernel)
-TREE_CHILD_SUM = Op("tree_lstm_child_sum", _child_sum_kernel)
+# The children are the op's list: one batch whatever their number (0..k).
+CHILD_SUM_PARAMS = ("W_iou", "U_iou", "W_f", "U_f", "b_iou", "b_f")
+TREE_CHILD_SUM = ops.RaggedOp("tree_lstm_child_sum", _child_sum_kernel,
+                              fixed=1 + len(CHILD_SUM_PARAMS))
 
 
 class TreeLSTMCell(FusedModule):
@@ -487,9 +494,7 @@ class TreeLSTMCell(FusedModule):
         if self.child_sum:
             if x is None:
                 raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
-            out = self._fused(TREE_CHILD_SUM, inputs, expect,
-                              ("W_iou", "U_iou", "W_f", "U_f", "b_iou", "b_f"), (2 * H,),
-                              len(children))
+            out = self._child_sum(inputs[:-1], x)
         else:
             if len(children) != self.arity:
                 raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
@@ -497,5 +502,19 @@ class TreeLSTMCell(FusedModule):
             out = self._fused(TREE_NARY, inputs, expect, params, (2 * H,),
                               (self.arity, x is not None))
         return State(out, H)
+
+    def _child_sum(self, states: list[Expression], x: Operand) -> Expression:
+        """One node: x, the parameters, then the children's `[h; c]`, which follow the
+        parameters unkeyed, so that the signature (module, shape of x) leaves out their number."""
+        H = self.hidden_size
+        g = ops.graph_of(x, states)
+        _, tag, table = self._in_graph(g)
+        for k, state in enumerate(states):
+            if state.shape != (2 * H,):
+                raise ops.ShapeError(f"tree_lstm_child_sum: child {k} has [h; c] of shape "
+                                     f"{state.shape}, expected {(2 * H,)}")
+        nodes = [table[name] for name in CHILD_SUM_PARAMS] + [g.node_of(s) for s in states]
+        return _core.fused(TREE_CHILD_SUM, (x,), ((self.W_iou.shape[1],),), tag, nodes,
+                           (2 * H,), None)
 
     __call__ = forward

@@ -14,12 +14,25 @@ transpose, dropout) are Python functions that call `Graph.add` with their own ke
 Signature rules (the paper's heuristic): elementwise ops by op and shapes; dimension-sensitive
 ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter node, so that
 every `W @ h_i` of a batch becomes ONE `H @ W.T`.
+
+Ragged ops batch nodes that differ only in the length of a list: `esum`, `average`, `emax`,
+`logsumexp`, `attention` and the fused child-sum Tree-LSTM cell (fb.nn) over any number of
+children. Their signature leaves the length out; the executor gathers every item of every node
+of a batch as ONE flat argument and gives the kernel each node's length, and the kernel reduces
+each node's segment (a segment sum, or a padded `[B, longest, ...]` view with a fill that the
+reduction ignores). A length lives in a list, never in a shape, so each node's output shape is
+fixed and a batch stays one `[B, *shape]` tensor: no padded storage or per-node lengths outside
+the kernel. Attention over a variable number of source positions is therefore written over
+lists: `attention(keys, query)` is one node giving the context; scores as a list of scalars go
+through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list. A
+vector whose length varies (`M_i @ q` with `M_i` of shape (n_i, d)) makes a signature per length.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -205,15 +218,6 @@ affine = _core.Rule(AFFINE, doc="affine(W, x, b): `W @ x + b` as one node (one `
 
 
 # ---- lists ---------------------------------------------------------------------------------
-def _list_kernel(stacked: Callable, positional: Callable):
-    """A variadic kernel: one stacked `[B, k, ...]` argument, or k positional ones."""
-    def kernel(xs, attr, shape):
-        if len(xs) == 1 and xs[0].dim() == len(shape) + 2:
-            return stacked(xs[0])
-        return positional([x.expand(max(y.shape[0] for y in xs), *x.shape[1:]) for x in xs])
-    return kernel
-
-
 def _segments(x: torch.Tensor, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The flat `[sum of arities, ...]` argument of a ragged batch, and the row of each element
     (None when every node has the same arity: then `x` is reshaped to `[B, k, ...]`)."""
@@ -237,18 +241,86 @@ def _average_kernel(xs, lengths, shape):
     return _esum_kernel(xs, lengths, shape) / count.reshape(-1, *([1] * len(shape)))
 
 
-# Sums and averages of lists batch whatever their lengths: one flat gather of every argument
-# and a segment sum, so that e.g. per-sentence sums of token losses form ONE batch.
-# Signature (name, shape), and the number of inputs unless ragged.
+def _per_node(x: torch.Tensor, lengths: np.ndarray, fill: float) -> torch.Tensor:
+    """The flat argument of a ragged batch as `[B, longest, ...]`: a reshape when every node has
+    the same arity, else one gather that pads each node's items with `fill` (a value the
+    reduction ignores: -inf for a max, 0 for a weighted sum)."""
+    total, longest = int(lengths.sum()), int(lengths.max())
+    x = x.expand(total, *x.shape[1:])  # one shared node read once for all
+    if (lengths == longest).all():
+        return x.reshape(len(lengths), longest, *x.shape[1:])
+    slots = np.arange(longest)
+    rows = (np.cumsum(lengths) - lengths)[:, None] + slots
+    rows[slots >= lengths[:, None]] = total  # the fill row
+    padded = torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])
+    return padded.index_select(0, _index(rows.reshape(-1), x)).reshape(
+        len(lengths), longest, *x.shape[1:])
+
+
+def _attention_kernel(stride: int):
+    """Dot-product attention of each node's query (its first item) over its keys (and values,
+    interleaved after it when `stride` is 2): a masked softmax over the padded keys."""
+    def kernel(xs, lengths, shape):
+        items = _per_node(xs[0], lengths, 0.0)
+        query, keys = items[:, 0], items[:, 1::stride]
+        values = items[:, 2::2] if stride == 2 else keys
+        scores = (keys @ query.unsqueeze(-1)).squeeze(-1)
+        count = (lengths - 1) // stride
+        if (count < count.max()).any():
+            padding = np.arange(int(count.max())) >= count[:, None]
+            scores = scores.masked_fill(torch.from_numpy(padding).to(scores.device), -math.inf)
+        return (torch.softmax(scores, 1).unsqueeze(1) @ values).squeeze(1)
+    return kernel
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedOp(Op):
+    """A ragged op whose first `fixed` arguments are not part of its list: the executor reads
+    them as a plain op's, one argument each (a child-sum cell's input and parameters), and
+    gives the kernel the flat list after them (nothing when every list of the batch is empty)."""
+
+    ragged: bool = True
+    fixed: int = 0
+
+
+# Ragged (see the module docstring): kernels get the flat items and each node's list length.
+# Signature (name, item shape). Attention's items are the query, then the keys (interleaved
+# with the values when given).
 ESUM = Op("esum", _esum_kernel, ragged=True, rule="list")
 AVERAGE = Op("average", _average_kernel, ragged=True, rule="list")
-EMAX = Op("emax", _list_kernel(lambda x: x.max(1).values,
-                               lambda xs: torch.stack(xs, 1).max(1).values), stack_from=3,
-          rule="list")
+EMAX = Op("emax", lambda xs, lengths, shape: _per_node(xs[0], lengths, -math.inf).max(1).values,
+          ragged=True, rule="list")
+LOGSUMEXP = Op("logsumexp", lambda xs, lengths, shape: torch.logsumexp(
+    _per_node(xs[0], lengths, -math.inf), 1), ragged=True, rule="list")
+ATTENTION = Op("attention", _attention_kernel(1), ragged=True, rule="list")
+ATTENTION_KV = Op("attention_kv", _attention_kernel(2), ragged=True, rule="list")
 esum = _core.Rule(ESUM, doc="esum(xs): the sum of a list of expressions of equal shape (one "
                             "stacked gather, one sum).")
 average = _core.Rule(AVERAGE, doc="average(xs): the mean of a list of expressions of equal shape.")
 emax = _core.Rule(EMAX, doc="emax(xs): elementwise maximum of a list of expressions.")
+logsumexp = _core.Rule(LOGSUMEXP, doc="logsumexp(xs): elementwise `log(sum(exp(x)))` over a list "
+                                      "of expressions of equal shape, computed stably.")
+_attention = _core.Rule(ATTENTION)
+_attention_kv = _core.Rule(ATTENTION_KV)
+
+
+def attention(keys: Sequence[Operand], query: Operand,
+              values: Sequence[Operand] | None = None) -> Expression:
+    """Dot-product attention: `sum_j softmax_j(k_j . q) v_j` over a list of key vectors (the
+    values are the keys unless given), one node; any number of keys batch as one kernel."""
+    keys = list(keys)
+    if not keys:
+        raise ValueError("attention: needs at least one key")
+    g = graph_of(query, keys)
+    q = node(g, query)
+    if len(g.shape_of(q)) != 1:
+        raise ShapeError(f"attention: the query must be a vector, got shape {g.shape_of(q)}")
+    if values is None:
+        return _attention([Expression(g, q), *keys])
+    values = list(values)
+    if len(values) != len(keys):
+        raise ValueError(f"attention: {len(keys)} keys but {len(values)} values")
+    return _attention_kv([Expression(g, q), *(x for pair in zip(keys, values) for x in pair)])
 
 
 def _concat_kernel(xs, dim, shape):
@@ -295,11 +367,27 @@ def squared_distance(a: Operand, b: Operand) -> Expression:
 
 def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
     op = Op(name, lambda xs, attr, shape: fn(xs[0]), rule="vector")
-    return _core.Rule(op, doc=f"{name}(x) of a vector.")
+    return _core.Rule(op)
 
 
-softmax = _softmax("softmax", lambda x: torch.softmax(x, -1))
-log_softmax = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
+_softmax_vector = _softmax("softmax", lambda x: torch.softmax(x, -1))
+_log_softmax_vector = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
+
+
+def log_softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
+    """log_softmax(x) of a vector; of a list of scalars (any number: a softmax over source
+    positions or candidates), the list `x_j - logsumexp(x)`."""
+    if isinstance(x, (list, tuple)):
+        total = logsumexp(x)
+        return [sub(s, total) for s in x]
+    return _log_softmax_vector(x)
+
+
+def softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
+    """softmax(x) of a vector; of a list of scalars, the list `exp(x_j - logsumexp(x))`."""
+    if isinstance(x, (list, tuple)):
+        return [exp(s) for s in log_softmax(x)]
+    return _softmax_vector(x)
 
 
 def _pick_kernel(xs, attr, shape):
@@ -319,9 +407,15 @@ PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, rule="pick")
 PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, rule="pick_nls")
 pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "
                             "per-instance dim.")
-pick_neg_log_softmax = _core.Rule(
-    PICK_NLS, doc="pick_neg_log_softmax(x, label): `-log(softmax(x)[label])`, the cross-entropy "
-                  "loss of one instance (one fused kernel).")
+_pick_nls = _core.Rule(PICK_NLS)
+
+
+def pick_neg_log_softmax(x: Operand | Sequence[Operand], label: int) -> Expression:
+    """`-log(softmax(x)[label])`, the cross-entropy loss of one instance: one fused kernel for
+    a vector; for a list of scalars (a variable number of candidates), `logsumexp(x) - x[label]`."""
+    if isinstance(x, (list, tuple)):
+        return sub(logsumexp(x), x[_integer("pick_neg_log_softmax", label)])
+    return _pick_nls(x, label)
 
 
 def _integer(name: str, index: Any) -> int:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..nn import TreeLSTMCell
+
 H = 8       # hidden size
 VOCAB = 20
 LABELS = 3
@@ -31,7 +33,21 @@ class Family:
     value_requests: bool = False  # asks for values mid-instance: run under map_batched
 
 
-def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+class Params(dict):
+    """The parameters by name, and the `fb.nn` modules built over them (`module`), one per
+    parameter set so that every instance's nodes of a module share its signature."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.modules: dict[str, torch.nn.Module] = {}
+
+    def module(self, name: str, make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        if name not in self.modules:
+            self.modules[name] = make()
+        return self.modules[name]
+
+
+def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> Params:
     """One parameter set shared by every family (each uses the names it needs)."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -49,7 +65,7 @@ def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, 
         "W_track": (H, 3 * H), "b_track": (H,), "W_iou": (3 * H, H), "U_iou": (3 * H, H),
         "b_iou": (3 * H,), "W_exit": (1, H),
     }
-    return {name: p(*shape) for name, shape in names.items()}
+    return Params((name, p(*shape)) for name, shape in names.items())
 
 
 # ---- shared pieces -------------------------------------------------------------------------
@@ -233,6 +249,61 @@ def child_sum_loss(B, P, tree):
     return B.esum(losses)
 
 
+# ---- the same with flybatch's fused child-sum cell (fb.nn.TreeLSTMCell) --------------------------
+def _child_sum_cell(B, P):
+    """`fb.nn.TreeLSTMCell(child_sum=True)` over P's tensors (its eager twin for the eager
+    backend): one fused node per tree node, whatever its number of children."""
+    def make():
+        with torch.random.fork_rng(devices=[]):  # its own initialisation, replaced below
+            cell = TreeLSTMCell(H, H, child_sum=True)
+        for name, key in (("W_iou", "W_iou"), ("U_iou", "U_iou"), ("b_iou", "b_iou"),
+                          ("W_f", "Wf"), ("U_f", "Uf"), ("b_f", "bf")):
+            setattr(cell, name, P[key])
+        return cell
+    cell = P.module("child_sum_cell", make)
+    return B.twin(cell) if hasattr(B, "twin") else cell
+
+
+def child_sum_cell_loss(B, P, tree):
+    cell, losses = _child_sum_cell(B, P), []
+
+    def encode(node):
+        word, children = node
+        state = cell([encode(child) for child in children], B.lookup(P["E"], word))
+        losses.append(_mlp_loss(B, P, state.h, word % LABELS))
+        return state
+    encode(tree)
+    return B.esum(losses)
+
+
+# ---- tree-to-sequence with attention over the tree's nodes ----------------------------------
+def make_tree_to_sequence(rng: random.Random):
+    return (_random_tree(rng, rng.randint(2, 9)),
+            [rng.randrange(LABELS) for _ in range(rng.randint(1, 5))])
+
+
+def tree_to_sequence_loss(B, P, instance):
+    """A tree encoder whose node states (3 to 17 of them) a decoder attends over at every step
+    (Eriguchi et al. 2016): the number of source positions varies per instance."""
+    tree, target = instance
+    memory: list = []
+
+    def encode(t):
+        if isinstance(t, int):
+            h = B.lookup(P["E"], t)
+        else:
+            h = B.tanh(B.affine(P["W_comp"], B.concat([encode(t[0]), encode(t[1])]), P["b_comp"]))
+        memory.append(h)
+        return h
+    h = encode(tree)
+    losses = []
+    for label in target:
+        context = B.attention(memory, h)
+        h = B.tanh(B.affine(P["M1"], h, P["m1"]) + B.matmul(P["A"], context))
+        losses.append(B.pick_neg_log_softmax(B.matmul(P["M2"], h), label))
+    return B.esum(losses)
+
+
 # ---- hierarchical RNN: words per sentence, then sentences ------------------------------------
 def make_document(rng: random.Random):
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
@@ -275,6 +346,8 @@ FAMILIES = (
     Family("calculator", make_expression, calculator_loss),
     Family("spinn", make_transitions, spinn_loss),
     Family("child-sum-treelstm", make_nary_tree, child_sum_loss),
+    Family("child-sum-cell", make_nary_tree, child_sum_cell_loss),
+    Family("tree-to-seq-attention", make_tree_to_sequence, tree_to_sequence_loss),
     Family("hierarchical-rnn", make_document, document_loss),
     Family("early-exit", make_early_exit, early_exit_loss, value_requests=True),
 )
