@@ -1009,6 +1009,9 @@ PyMethodDef kRuleFunctions[] = {
 
 }  // namespace
 
+// An operand's node for the capture layer (capture.cpp), resolved as the rules resolve theirs.
+i64 operand_node(Store* g, PyObject* x) { return node_of(g, x); }
+
 PyNumberMethods expression_number = [] {
   PyNumberMethods m{};
   m.nb_add = expr_add;

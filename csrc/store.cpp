@@ -766,7 +766,8 @@ PyObject* register_store(PyObject* module) {
       PyModule_AddObjectRef(module, "Store", reinterpret_cast<PyObject*>(&StoreType)) < 0 ||
       PyModule_AddObjectRef(module, "Expression",
                             reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
-      PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module)) {
+      PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module) ||
+      !register_capture(module)) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -164,5 +164,6 @@ extern PyMappingMethods expression_mapping;
 
 PyObject* register_store(PyObject* module);
 bool register_rules(PyObject* module);
+bool register_capture(PyObject* module);
 
 }  // namespace flybatch

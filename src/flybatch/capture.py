@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import kernels, ops
+from . import _core, kernels, ops
 from .errors import ShapeError
 from .graph import PARAMETER, Expression, Graph, Op, _current, current_graph
 
@@ -195,47 +195,11 @@ class _Call:
     def __init__(self, args: tuple, kwargs: dict, graph: Graph | None = None,
                  weights: tuple = ()):
         """`weights`: the positions (ints) and keywords (strs) of the arguments that are
-        parameters shared by the batch (F.linear's weight); every other operand is batched."""
+        parameters shared by the batch (F.linear's weight); every other operand is batched.
+        The pass itself is the compiled core's (csrc/capture.cpp)."""
         self.graph = graph or _graph_of(args, kwargs)
-        self.nodes: list[int] = []
-        self.operands: list[tuple] = []  # (shape, dtype) per operand
-        self.params: list[bool] = []  # per operand: a parameter node
-        self.weight: list[bool] = []  # per operand: from a weight argument
-        spec: list = []
-        self.args = tuple([self._template(x, i in weights, spec) for i, x in enumerate(args)])
-        self.kwargs = {}
-        if kwargs:
-            spec.append("|")
-            for k, v in kwargs.items():
-                spec.append(k)
-                self.kwargs[k] = self._template(v, k in weights, spec)
-        self.key = tuple(spec)
-
-    def _template(self, x: Any, weight: bool, spec: list) -> Template:
-        kind = type(x)
-        if kind is int or kind is str or x is None:
-            spec.append(x)
-            return x
-        if isinstance(x, Expression):
-            return self._slot(self.graph.node_of(x), weight, spec)
-        if isinstance(x, torch.Tensor):
-            return self._slot(node_of_tensor(self.graph, x), weight, spec)
-        if kind is tuple or kind is list:
-            spec.append("(" if kind is tuple else "[")
-            out = kind([self._template(y, weight, spec) for y in x])
-            spec.append(")")
-            return out
-        spec.append(_key(x))
-        return x
-
-    def _slot(self, node: int, weight: bool, spec: list) -> _Slot:
-        g = self.graph
-        spec.append("#")
-        self.nodes.append(node)
-        self.operands.append((g.shape_of(node), g.node_dtypes.get(node) or g.dtype))
-        self.params.append(g.op_of(node) is PARAMETER)
-        self.weight.append(weight)
-        return _Slot(len(self.nodes) - 1)
+        (self.args, self.kwargs, self.nodes, self.operands, self.params, self.weight,
+         self.key) = _core.take_apart(self.graph, args, kwargs, weights)
 
     def weights_shared(self) -> tuple[bool, ...] | None:
         """Per operand, shared (a weight argument that is a parameter); None if some weight
@@ -309,6 +273,9 @@ def _key(template: Template) -> Any:
     except TypeError:
         raise TypeError(f"cannot record a call with the argument {template!r} "
                         f"({kind.__name__}) on a flybatch expression") from None
+
+
+_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor)
 
 
 # ---- output shapes, from meta tensors ---------------------------------------------------------
@@ -479,12 +446,57 @@ def _direct_kernel(xs, attr, shape):
 DIRECT = Op("torch", _direct_kernel)
 
 
+# What a handler works out from a call's constants and operand shapes, dtypes and parameter
+# flags (its output shape from meta tensors, its batched kernel), kept per handler: a call that
+# meets a known (handler, constants, operands) only appends its node.
+_PLANS: dict[Any, Any] = {}
+
+
+class _Plan:
+    """A handler's node recipe for one (constants, operands) key. It stands in the signature
+    for all of that key (compared by identity: one plan per key), followed by the nodes of the
+    shared operands, so a signature stays a short tuple."""
+
+    __slots__ = ("label", "op", "shape", "dtype", "attr", "shared_at", "describe")
+
+    def __init__(self, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
+                 shared: tuple[bool, ...], cheap: bool):
+        self.label, self.shape, self.dtype = label, tuple(shape), dtype
+        self.op = _DIRECT_CHEAP if cheap else DIRECT
+        self.attr = (fn, shared, ())
+        self.shared_at = tuple(i for i, s in enumerate(shared) if s)
+        self.describe = "".join("[param]" if s else str(o[0])
+                                for s, o in zip(shared, call.operands))
+
+    def __repr__(self) -> str:
+        return self.describe
+
+
+def _planned(handler: Callable, call: _Call, build: Callable[[], Any]) -> Any:
+    """The node of `call` by `build()`'s recipe, `(label, batched_fn, shape, dtype, shared,
+    cheap)` or NotImplemented, worked out once per (handler, constants, operands)."""
+    key = (handler, call.key, call.operands, call.params)
+    plan = _PLANS.get(key)
+    if plan is None:
+        recipe = build()
+        plan = _PLANS[key] = recipe if recipe is NotImplemented else _Plan(call, *recipe)
+    if plan is NotImplemented:
+        return NotImplemented
+    g, nodes = call.graph, call.nodes
+    sig = (plan.label, plan, *[nodes[i] for i in plan.shared_at]) if plan.shared_at else \
+        (plan.label, plan)
+    out = g.add(plan.op, nodes, plan.shape, sig, plan.attr)
+    if plan.dtype is not g._dtype and plan.dtype != g.dtype:
+        g.node_dtypes[out.id] = plan.dtype
+    return out
+
+
 def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
             dtype: torch.dtype, shared: tuple[bool, ...] | None = None, cheap=False) -> Expression:
     """A node whose kernel is `batched_fn(batch operands, *consts)`; consts and operand shapes
     (shared operands: their nodes) make the signature."""
     shared = call.shared() if shared is None else shared
-    key = (name, batched_fn, _key(consts), _signature(call, shared))
+    key = (name, batched_fn, _key(consts) if consts else (), _signature(call, shared))
     return _node(call.graph, _DIRECT_CHEAP if cheap else DIRECT, call.nodes, shape, key,
                  (batched_fn, shared, consts), dtype)
 
@@ -527,18 +539,21 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
         call = _Call((x,) + args, kwargs)
         if call.args[0].__class__ is not _Slot:
             return NotImplemented
-        structure = _meta_of(func, call)
-        if not isinstance(structure[1], torch.dtype):
-            return NotImplemented  # (values, indices): generic
-        shape, dtype = structure
-        shifted = _dim(dim, len(call.graph.shape_of(call.nodes[0])), label)
-        if where == "dim":
-            call.kwargs = dict(call.kwargs, dim=shifted)
-        else:
-            call.args = call.args[:where] + (shifted,) + call.args[where + 1:]
-        fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
-        return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
-                       cheap=cheap)
+
+        def build():
+            structure = _meta_of(func, call)
+            if not isinstance(structure[1], torch.dtype):
+                return NotImplemented  # (values, indices): generic
+            shifted = _dim(dim, len(call.operands[0][0]), label)
+            args, kwargs = call.args, call.kwargs
+            if where == "dim":
+                kwargs = dict(kwargs, dim=shifted)
+            else:
+                args = args[:where] + (shifted,) + args[where + 1:]
+            fn = _Bound(_apply_template, func, args, kwargs, key=call.key)
+            return label, fn, *structure, (False,) * len(call.nodes), cheap
+
+        return _planned(handler, call, build)
 
     return handler
 
@@ -550,14 +565,18 @@ def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
 
     def handler(*args, **kwargs):
         call = _Call(args, kwargs, weights=weights)
-        shared = call.weights_shared()
-        if shared is None:
-            return NotImplemented
-        structure = _meta_of(func, call)
-        if not isinstance(structure[1], torch.dtype):
-            return NotImplemented
-        fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
-        return _direct(label, call, fn, (), *structure, shared=shared, cheap=cheap)
+
+        def build():
+            shared = call.weights_shared()
+            if shared is None:
+                return NotImplemented
+            structure = _meta_of(func, call)
+            if not isinstance(structure[1], torch.dtype):
+                return NotImplemented
+            fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
+            return label, fn, *structure, shared, cheap
+
+        return _planned(handler, call, build)
 
     return handler
 
@@ -572,14 +591,17 @@ def _elementwise(func: Callable, cheap: bool = True):
 
     def handler(*args, **kwargs):
         call = _Call(args, kwargs)
-        structure = _meta_of(func, call)
-        if not isinstance(structure[1], torch.dtype):
-            return NotImplemented
-        shape, dtype = structure
-        fn = _Bound(_aligned, func, call.args, call.kwargs, len(shape),
-                    key=(call.key, len(shape)))
-        return _direct(label, call, fn, (), shape, dtype, shared=(False,) * len(call.nodes),
-                       cheap=cheap)
+
+        def build():
+            structure = _meta_of(func, call)
+            if not isinstance(structure[1], torch.dtype):
+                return NotImplemented
+            shape, dtype = structure
+            fn = _Bound(_aligned, func, call.args, call.kwargs, len(shape),
+                        key=(call.key, len(shape)))
+            return label, fn, shape, dtype, (False,) * len(call.nodes), cheap
+
+        return _planned(handler, call, build)
 
     return handler
 
@@ -653,9 +675,13 @@ def getitem(x: Expression, key: Any) -> Any:
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
         return _generic(torch.Tensor.__getitem__, (x, key), {})
     call = _Call((x, keys), {})
-    shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
-    return _direct("getitem", call, _Bound(_getitem_batched, keys, key=call.key), (), shape, dtype,
-                   shared=(False,), cheap=True)
+
+    def build():
+        shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
+        return ("getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,),
+                True)
+
+    return _planned(getitem, call, build)
 
 
 ops._getitem = getitem
@@ -767,12 +793,15 @@ def _reshape_like(func: Callable):
 
 
 def _linear(x, weight, bias=None):
-    call = _Call((x, weight) + ((bias,) if bias is not None else ()), {})
-    shared = call.shared()
-    if not all(shared[1:]):
-        return NotImplemented  # a per-instance weight: generic
-    shape, dtype = _meta_of(F.linear, call)
-    return _direct("linear", call, _linear_batched, (), shape, dtype, shared)
+    call = _Call((x, weight) + ((bias,) if bias is not None else ()), {}, weights=(1, 2))
+
+    def build():
+        shared = call.weights_shared()
+        if shared is None:
+            return NotImplemented  # a per-instance weight: generic
+        return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
+
+    return _planned(_linear, call, build)
 
 
 def _linear_batched(batch):

@@ -1,0 +1,253 @@
+// Torch-native capture, the per-call part (flybatch/capture.py): a recorded torch call taken
+// apart in one pass over its arguments.
+//
+// `take_apart(graph, args, kwargs, weights)` returns
+//   (args template, kwargs template, nodes, operands, params, weight, key)
+// where every tensor operand (an Expression, or a torch.Tensor resolved to its node as the op
+// rules resolve operands: parameters by a C map, anything else through `Graph._operand`, and a
+// tensor written in place with an expression through capture's `node_of_tensor`) is replaced by
+// a `_Slot(i)` in the templates; `operands[i]` is its (shape, dtype), `params[i]` whether it is
+// a parameter node and `weight[i]` whether it came from an argument named in `weights`; `key` is
+// a flat tuple of the call's constants and structure ("#" per operand, "(" / "[" ... ")" around
+// sequences, "|" before the keywords), constants other than int / str / None keyed by
+// capture's `_key`. Called for every recorded torch call: the Python version cost ~3 us.
+#include "store.h"
+
+namespace flybatch {
+
+i64 operand_node(Store* g, PyObject* x);  // rules.cpp: an operand's node (may call Python)
+
+namespace {
+
+PyObject* g_slot_type = nullptr;        // capture._Slot
+PyObject* g_key_of = nullptr;           // capture._key
+PyObject* g_parameter_op = nullptr;     // graph.PARAMETER
+PyObject* g_node_of_tensor = nullptr;   // capture.node_of_tensor (shadowed tensors)
+PyObject* s_shadows = nullptr;          // "shadows"
+PyObject* s_node_dtypes = nullptr;      // "node_dtypes"
+PyObject* s_dtype = nullptr;            // "dtype"
+PyObject* s_hash = nullptr;             // "#"
+PyObject* s_open_tuple = nullptr;       // "("
+PyObject* s_open_list = nullptr;        // "["
+PyObject* s_close = nullptr;            // ")"
+PyObject* s_bar = nullptr;              // "|"
+
+struct Ref {  // owns one reference
+  PyObject* o;
+  explicit Ref(PyObject* o) : o(o) {
+    if (!o) throw PythonError{};
+  }
+  ~Ref() { Py_XDECREF(o); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* release() {
+    PyObject* out = o;
+    o = nullptr;
+    return out;
+  }
+};
+
+void append(PyObject* list, PyObject* item) {  // borrows item
+  if (PyList_Append(list, item) < 0) throw PythonError{};
+}
+
+// One pass over one call.
+struct TakeApart {
+  Store* g;
+  PyObject* graph;       // g as an object
+  PyObject* shadows;     // the graph's dict, or NULL when empty
+  PyObject* node_dtypes;
+  PyObject* nodes;       // lists, filled as operands are met
+  PyObject* operands;
+  PyObject* params;
+  PyObject* weight;
+  PyObject* key;
+  std::int32_t parameter_code;
+
+  i64 tensor_node(PyObject* x) {
+    if (shadows) {
+      PyObject* id = PyLong_FromVoidPtr(x);
+      if (!id) throw PythonError{};
+      const int shadowed = PyDict_Contains(shadows, id);
+      Py_DECREF(id);
+      if (shadowed < 0) throw PythonError{};
+      if (shadowed) {
+        Ref node{PyObject_CallFunctionObjArgs(g_node_of_tensor, graph, x, nullptr)};
+        const i64 v = PyLong_AsLongLong(node.o);
+        if (v == -1 && PyErr_Occurred()) throw PythonError{};
+        return v;
+      }
+    }
+    return operand_node(g, x);
+  }
+
+  PyObject* slot(i64 node, bool from_weight) {  // new reference: the _Slot
+    append(key, s_hash);
+    Ref index{PyLong_FromSsize_t(PyList_GET_SIZE(nodes))};
+    Ref id{PyLong_FromLongLong(node)};
+    append(nodes, id.o);
+    append(weight, from_weight ? Py_True : Py_False);
+    return PyObject_CallOneArg(g_slot_type, index.o);
+  }
+
+  // (shape, dtype) and parameter flag of every operand, once all are resolved: resolving a
+  // parameter may fix the graph's dtype (the first floating one met), so it is read after.
+  void describe_operands() {
+    Ref dtype{PyObject_GetAttr(graph, s_dtype)};
+    const Py_ssize_t n = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* id = PyList_GET_ITEM(nodes, i);
+      const i64 node = PyLong_AsLongLong(id);
+      PyObject* node_dtype = PyDict_GetItemWithError(node_dtypes, id);  // borrowed
+      if (!node_dtype && PyErr_Occurred()) throw PythonError{};
+      PyObject* shape = (*g->shape_tuples)[g->nodes->shape[node]];
+      Ref operand{PyTuple_Pack(2, shape, node_dtype ? node_dtype : dtype.o)};
+      append(operands, operand.o);
+      append(params, g->nodes->op[node] == parameter_code ? Py_True : Py_False);
+    }
+  }
+
+  PyObject* templ(PyObject* x, bool from_weight) {  // new reference
+    if (PyLong_CheckExact(x) || PyUnicode_CheckExact(x) || x == Py_None) {
+      append(key, x);
+      return Py_NewRef(x);
+    }
+    if (PyObject_TypeCheck(x, &ExpressionBase)) {
+      Expression* e = reinterpret_cast<Expression*>(x);
+      return slot(e->graph == g ? e->id : operand_node(g, x), from_weight);  // raises if foreign
+    }
+    const int tensor = PyObject_IsInstance(x, g_tensor_type);
+    if (tensor < 0) throw PythonError{};
+    if (tensor) return slot(tensor_node(x), from_weight);
+    const bool is_tuple = PyTuple_CheckExact(x), is_list = PyList_CheckExact(x);
+    if (is_tuple || is_list) {
+      append(key, is_tuple ? s_open_tuple : s_open_list);
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+      Ref out{is_tuple ? PyTuple_New(n) : PyList_New(n)};
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = templ(PySequence_Fast_GET_ITEM(x, i), from_weight);
+        if (!item) throw PythonError{};
+        if (is_tuple)
+          PyTuple_SET_ITEM(out.o, i, item);
+        else
+          PyList_SET_ITEM(out.o, i, item);
+      }
+      append(key, s_close);
+      return out.release();
+    }
+    Ref k{PyObject_CallOneArg(g_key_of, x)};
+    append(key, k.o);
+    return Py_NewRef(x);
+  }
+};
+
+bool in_weights(PyObject* weights, PyObject* which) {
+  if (weights == Py_None || PyTuple_GET_SIZE(weights) == 0) return false;
+  const int found = PySequence_Contains(weights, which);
+  if (found < 0) throw PythonError{};
+  return found;
+}
+
+const char kTakeApartDoc[] =
+    "take_apart(graph, args, kwargs, weights)\n\n"
+    "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
+    "recorded by the capture layer (see capture.py `_Call`).";
+
+PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  try {
+    if (argc != 4 || !PyObject_TypeCheck(argv[0], &StoreType) || !PyTuple_Check(argv[1]) ||
+        !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
+      raise(PyExc_TypeError, "take_apart(graph, args: tuple, kwargs: dict, weights: tuple)");
+    if (!g_slot_type) raise(PyExc_RuntimeError, "take_apart: configure_capture() was not called");
+    Store* g = reinterpret_cast<Store*>(argv[0]);
+    check_open(g);
+    TakeApart t{};
+    t.g = g;
+    t.graph = argv[0];
+    Ref shadows{PyObject_GetAttr(argv[0], s_shadows)};
+    t.shadows = PyDict_Check(shadows.o) && PyDict_GET_SIZE(shadows.o) ? shadows.o : nullptr;
+    Ref node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
+    if (!PyDict_Check(node_dtypes.o)) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+    t.node_dtypes = node_dtypes.o;
+    Ref nodes{PyList_New(0)}, operands{PyList_New(0)}, params{PyList_New(0)},
+        weight{PyList_New(0)}, key{PyList_New(0)};
+    t.nodes = nodes.o;
+    t.operands = operands.o;
+    t.params = params.o;
+    t.weight = weight.o;
+    t.key = key.o;
+    t.parameter_code = op_code(g_parameter_op);
+
+    PyObject* args = argv[1];
+    const Py_ssize_t n = PyTuple_GET_SIZE(args);
+    Ref args_template{PyTuple_New(n)};
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Ref position{PyLong_FromSsize_t(i)};
+      PyObject* item = t.templ(PyTuple_GET_ITEM(args, i), in_weights(argv[3], position.o));
+      if (!item) throw PythonError{};
+      PyTuple_SET_ITEM(args_template.o, i, item);
+    }
+    Ref kwargs_template{PyDict_New()};
+    if (argv[2] != Py_None && PyDict_GET_SIZE(argv[2])) {
+      append(key.o, s_bar);
+      PyObject *name, *value;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(argv[2], &pos, &name, &value)) {
+        append(key.o, name);
+        Ref item{t.templ(value, in_weights(argv[3], name))};
+        if (PyDict_SetItem(kwargs_template.o, name, item.o) < 0) throw PythonError{};
+      }
+    }
+    t.describe_operands();
+    Ref key_tuple{PyList_AsTuple(key.o)};
+    Ref nodes_tuple{PyList_AsTuple(nodes.o)}, operands_tuple{PyList_AsTuple(operands.o)},
+        params_tuple{PyList_AsTuple(params.o)}, weight_tuple{PyList_AsTuple(weight.o)};
+    return PyTuple_Pack(7, args_template.o, kwargs_template.o, nodes_tuple.o, operands_tuple.o,
+                        params_tuple.o, weight_tuple.o, key_tuple.o);
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
+const char kConfigureDoc[] =
+    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor)\n\n"
+    "What take_apart builds and calls: capture._Slot, capture._key, graph.PARAMETER, "
+    "capture.node_of_tensor.";
+
+PyObject* configure_capture(PyObject*, PyObject* args) {
+  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor;
+  if (!PyArg_ParseTuple(args, "OOOO:configure_capture", &slot_type, &key_of, &parameter_op,
+                        &node_of_tensor))
+    return nullptr;
+  Py_XSETREF(g_slot_type, Py_NewRef(slot_type));
+  Py_XSETREF(g_key_of, Py_NewRef(key_of));
+  Py_XSETREF(g_parameter_op, Py_NewRef(parameter_op));
+  Py_XSETREF(g_node_of_tensor, Py_NewRef(node_of_tensor));
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kCaptureMethods[] = {
+    {"take_apart", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(take_apart)),
+     METH_FASTCALL, kTakeApartDoc},
+    {"configure_capture", configure_capture, METH_VARARGS, kConfigureDoc},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+bool register_capture(PyObject* module) {
+  s_shadows = PyUnicode_InternFromString("shadows");
+  s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
+  s_dtype = PyUnicode_InternFromString("dtype");
+  s_hash = PyUnicode_InternFromString("#");
+  s_open_tuple = PyUnicode_InternFromString("(");
+  s_open_list = PyUnicode_InternFromString("[");
+  s_close = PyUnicode_InternFromString(")");
+  s_bar = PyUnicode_InternFromString("|");
+  return s_shadows && s_node_dtypes && s_dtype && s_hash && s_open_tuple && s_open_list &&
+         s_close && s_bar && PyModule_AddFunctions(module, kCaptureMethods) == 0;
+}
+
+}  // namespace flybatch
