@@ -23,6 +23,9 @@ PyObject* g_slot_type = nullptr;        // capture._Slot
 PyObject* g_key_of = nullptr;           // capture._key
 PyObject* g_parameter_op = nullptr;     // graph.PARAMETER
 PyObject* g_node_of_tensor = nullptr;   // capture.node_of_tensor (shadowed tensors)
+PyObject* g_plans = nullptr;            // capture._PLANS
+PyObject* s_fast = nullptr;             // "fast"
+PyObject* s_add = nullptr;              // "add"
 PyObject* s_shadows = nullptr;          // "shadows"
 PyObject* s_node_dtypes = nullptr;      // "node_dtypes"
 PyObject* s_dtype = nullptr;            // "dtype"
@@ -148,16 +151,51 @@ bool in_weights(PyObject* weights, PyObject* which) {
   return found;
 }
 
+// The node of a call by its handler's plan: `plan.fast` is (label, op, shape, dtype, attr,
+// shared_at); the signature is (label, plan, nodes of the shared operands).
+PyObject* append_planned(Store* g, PyObject* graph, PyObject* plan, PyObject* nodes,
+                         PyObject* node_dtypes) {
+  Ref fast{PyObject_GetAttr(plan, s_fast)};
+  if (!PyTuple_Check(fast.o) || PyTuple_GET_SIZE(fast.o) != 6)
+    raise(PyExc_TypeError, "take_apart: plan.fast must be a 6-tuple");
+  PyObject* shared_at = PyTuple_GET_ITEM(fast.o, 5);
+  const Py_ssize_t n_shared = PyTuple_GET_SIZE(shared_at);
+  Ref sig{PyTuple_New(2 + n_shared)};
+  PyTuple_SET_ITEM(sig.o, 0, Py_NewRef(PyTuple_GET_ITEM(fast.o, 0)));
+  PyTuple_SET_ITEM(sig.o, 1, Py_NewRef(plan));
+  for (Py_ssize_t i = 0; i < n_shared; ++i) {
+    const Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(shared_at, i));
+    if (at < 0 || at >= PyTuple_GET_SIZE(nodes)) raise(PyExc_IndexError, "plan.shared_at");
+    PyTuple_SET_ITEM(sig.o, 2 + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
+  }
+  PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.o, 1), nodes, PyTuple_GET_ITEM(fast.o, 2),
+                           sig.o, PyTuple_GET_ITEM(fast.o, 4)};
+  Ref out{PyObject_VectorcallMethod(s_add, add_args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
+  // Outputs not of the graph's floating dtype (indices, masks) are recorded per node.
+  PyObject* dtype = PyTuple_GET_ITEM(fast.o, 3);
+  Ref graph_dtype{PyObject_GetAttr(graph, s_dtype)};
+  if (dtype != graph_dtype.o) {
+    Ref id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.o)->id)};
+    if (PyDict_SetItem(node_dtypes, id.o, dtype) < 0) throw PythonError{};
+  }
+  (void)g;
+  return out.release();
+}
+
 const char kTakeApartDoc[] =
-    "take_apart(graph, args, kwargs, weights)\n\n"
+    "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture.py `_Call`).";
+    "recorded by the capture layer (see capture.py `_Call`). With `handler`, and a plan of "
+    "(handler, key, operands, params) in capture._PLANS: the node appended by that plan "
+    "instead (NotImplemented if the handler declined that key).";
 
 PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   try {
-    if (argc != 4 || !PyObject_TypeCheck(argv[0], &StoreType) || !PyTuple_Check(argv[1]) ||
-        !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
-      raise(PyExc_TypeError, "take_apart(graph, args: tuple, kwargs: dict, weights: tuple)");
+    if (argc < 4 || argc > 5 || !PyObject_TypeCheck(argv[0], &StoreType) ||
+        !PyTuple_Check(argv[1]) || !(argv[2] == Py_None || PyDict_Check(argv[2])) ||
+        !PyTuple_Check(argv[3]))
+      raise(PyExc_TypeError,
+            "take_apart(graph, args: tuple, kwargs: dict, weights: tuple, handler=None)");
     if (!g_slot_type) raise(PyExc_RuntimeError, "take_apart: configure_capture() was not called");
     Store* g = reinterpret_cast<Store*>(argv[0]);
     check_open(g);
@@ -202,6 +240,13 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     Ref key_tuple{PyList_AsTuple(key.o)};
     Ref nodes_tuple{PyList_AsTuple(nodes.o)}, operands_tuple{PyList_AsTuple(operands.o)},
         params_tuple{PyList_AsTuple(params.o)}, weight_tuple{PyList_AsTuple(weight.o)};
+    if (argc == 5 && argv[4] != Py_None) {  // a handler's call: its plan, if it has one
+      Ref plan_key{PyTuple_Pack(4, argv[4], key_tuple.o, operands_tuple.o, params_tuple.o)};
+      PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.o);  // borrowed
+      if (!plan && PyErr_Occurred()) throw PythonError{};
+      if (plan == Py_NotImplemented) return Py_NewRef(Py_NotImplemented);
+      if (plan) return append_planned(g, argv[0], plan, nodes_tuple.o, node_dtypes.o);
+    }
     return PyTuple_Pack(7, args_template.o, kwargs_template.o, nodes_tuple.o, operands_tuple.o,
                         params_tuple.o, weight_tuple.o, key_tuple.o);
   } catch (const PythonError&) {
@@ -212,15 +257,16 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 }
 
 const char kConfigureDoc[] =
-    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor)\n\n"
-    "What take_apart builds and calls: capture._Slot, capture._key, graph.PARAMETER, "
-    "capture.node_of_tensor.";
+    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans)\n\n"
+    "What take_apart and record_planned build and call: capture._Slot, capture._key, "
+    "graph.PARAMETER, capture.node_of_tensor, capture._PLANS.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
-  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor;
-  if (!PyArg_ParseTuple(args, "OOOO:configure_capture", &slot_type, &key_of, &parameter_op,
-                        &node_of_tensor))
+  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans;
+  if (!PyArg_ParseTuple(args, "OOOOO!:configure_capture", &slot_type, &key_of, &parameter_op,
+                        &node_of_tensor, &PyDict_Type, &plans))
     return nullptr;
+  Py_XSETREF(g_plans, Py_NewRef(plans));
   Py_XSETREF(g_slot_type, Py_NewRef(slot_type));
   Py_XSETREF(g_key_of, Py_NewRef(key_of));
   Py_XSETREF(g_parameter_op, Py_NewRef(parameter_op));
@@ -246,7 +292,9 @@ bool register_capture(PyObject* module) {
   s_open_list = PyUnicode_InternFromString("[");
   s_close = PyUnicode_InternFromString(")");
   s_bar = PyUnicode_InternFromString("|");
-  return s_shadows && s_node_dtypes && s_dtype && s_hash && s_open_tuple && s_open_list &&
+  s_fast = PyUnicode_InternFromString("fast");
+  s_add = PyUnicode_InternFromString("add");
+  return s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar && PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 

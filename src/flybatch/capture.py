@@ -193,13 +193,16 @@ class _Call:
     __slots__ = ("graph", "nodes", "operands", "params", "weight", "args", "kwargs", "key")
 
     def __init__(self, args: tuple, kwargs: dict, graph: Graph | None = None,
-                 weights: tuple = ()):
+                 weights: tuple = (), parts: tuple | None = None):
         """`weights`: the positions (ints) and keywords (strs) of the arguments that are
         parameters shared by the batch (F.linear's weight); every other operand is batched.
-        The pass itself is the compiled core's (csrc/capture.cpp)."""
+        The pass itself is the compiled core's (csrc/capture.cpp); `parts` is its result when
+        the caller has it already."""
         self.graph = graph or _graph_of(args, kwargs)
+        if parts is None:
+            parts = _core.take_apart(self.graph, args, kwargs, weights)
         (self.args, self.kwargs, self.nodes, self.operands, self.params, self.weight,
-         self.key) = _core.take_apart(self.graph, args, kwargs, weights)
+         self.key) = parts
 
     def weights_shared(self) -> tuple[bool, ...] | None:
         """Per operand, shared (a weight argument that is a parameter); None if some weight
@@ -273,9 +276,6 @@ def _key(template: Template) -> Any:
     except TypeError:
         raise TypeError(f"cannot record a call with the argument {template!r} "
                         f"({kind.__name__}) on a flybatch expression") from None
-
-
-_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor)
 
 
 # ---- output shapes, from meta tensors ---------------------------------------------------------
@@ -450,6 +450,7 @@ DIRECT = Op("torch", _direct_kernel)
 # flags (its output shape from meta tensors, its batched kernel), kept per handler: a call that
 # meets a known (handler, constants, operands) only appends its node.
 _PLANS: dict[Any, Any] = {}
+_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS)
 
 
 class _Plan:
@@ -457,7 +458,7 @@ class _Plan:
     for all of that key (compared by identity: one plan per key), followed by the nodes of the
     shared operands, so a signature stays a short tuple."""
 
-    __slots__ = ("label", "op", "shape", "dtype", "attr", "shared_at", "describe")
+    __slots__ = ("label", "op", "shape", "dtype", "attr", "shared_at", "describe", "fast")
 
     def __init__(self, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
                  shared: tuple[bool, ...], cheap: bool):
@@ -467,36 +468,44 @@ class _Plan:
         self.shared_at = tuple(i for i, s in enumerate(shared) if s)
         self.describe = "".join("[param]" if s else str(o[0])
                                 for s, o in zip(shared, call.operands))
+        # What `_core.record_planned` reads (csrc/capture.cpp): the hit path in one C call.
+        self.fast = (label, self.op, self.shape, dtype, self.attr, self.shared_at)
 
     def __repr__(self) -> str:
         return self.describe
 
 
-def _planned(handler: Callable, call: _Call, build: Callable[[], Any]) -> Any:
-    """The node of `call` by `build()`'s recipe, `(label, batched_fn, shape, dtype, shared,
-    cheap)` or NotImplemented, worked out once per (handler, constants, operands)."""
-    key = (handler, call.key, call.operands, call.params)
-    plan = _PLANS.get(key)
-    if plan is None:
-        recipe = build()
-        plan = _PLANS[key] = recipe if recipe is NotImplemented else _Plan(call, *recipe)
+def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable,
+            weights: tuple = ()) -> Any:
+    """The node of a handler's call: by its plan for (constants, operands) when it has one (the
+    whole hit path is one C call), else by the plan `build(call)` makes, a recipe `(label,
+    batched_fn, shape, dtype, shared, cheap)` or NotImplemented, kept for the next calls."""
+    g = _graph_of(args, kwargs or {})
+    parts = _core.take_apart(g, args, kwargs, weights, handler)
+    if type(parts) is not tuple:
+        return parts  # the node, or NotImplemented
+    call = _Call(args, kwargs or {}, g, weights, parts)
+    recipe = build(call)
+    plan = recipe if recipe is NotImplemented else _Plan(call, *recipe)
+    _PLANS[(handler, call.key, call.operands, call.params)] = plan
     if plan is NotImplemented:
         return NotImplemented
-    g, nodes = call.graph, call.nodes
-    sig = (plan.label, plan, *[nodes[i] for i in plan.shared_at]) if plan.shared_at else \
-        (plan.label, plan)
-    out = g.add(plan.op, nodes, plan.shape, sig, plan.attr)
-    if plan.dtype is not g._dtype and plan.dtype != g.dtype:
-        g.node_dtypes[out.id] = plan.dtype
-    return out
+    return _direct(plan.label, call, plan.attr[0], (), plan.shape, plan.dtype, plan.attr[1],
+                   plan.op is _DIRECT_CHEAP, plan)
 
 
 def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
-            dtype: torch.dtype, shared: tuple[bool, ...] | None = None, cheap=False) -> Expression:
+            dtype: torch.dtype, shared: tuple[bool, ...] | None = None, cheap=False,
+            plan: "_Plan | None" = None) -> Expression:
     """A node whose kernel is `batched_fn(batch operands, *consts)`; consts and operand shapes
-    (shared operands: their nodes) make the signature."""
+    (shared operands: their nodes) make the signature (with a plan: the plan and the shared
+    operands' nodes, as the plan's later calls have it)."""
     shared = call.shared() if shared is None else shared
-    key = (name, batched_fn, _key(consts) if consts else (), _signature(call, shared))
+    if plan is not None:
+        nodes = call.nodes
+        key = (plan.label, plan, *[nodes[i] for i in plan.shared_at])
+    else:
+        key = (name, batched_fn, _key(consts) if consts else (), _signature(call, shared))
     return _node(call.graph, _DIRECT_CHEAP if cheap else DIRECT, call.nodes, shape, key,
                  (batched_fn, shared, consts), dtype)
 
@@ -536,11 +545,9 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
             return NotImplemented
         if not isinstance(dim, int) or isinstance(dim, bool):
             return NotImplemented  # named dims, lists of dims: generic
-        call = _Call((x,) + args, kwargs)
-        if call.args[0].__class__ is not _Slot:
-            return NotImplemented
-
-        def build():
+        def build(call):
+            if call.args[0].__class__ is not _Slot:
+                return NotImplemented
             structure = _meta_of(func, call)
             if not isinstance(structure[1], torch.dtype):
                 return NotImplemented  # (values, indices): generic
@@ -553,7 +560,7 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
             fn = _Bound(_apply_template, func, args, kwargs, key=call.key)
             return label, fn, *structure, (False,) * len(call.nodes), cheap
 
-        return _planned(handler, call, build)
+        return _record(handler, (x,) + args, kwargs, build)
 
     return handler
 
@@ -564,9 +571,7 @@ def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
     label = func.__name__
 
     def handler(*args, **kwargs):
-        call = _Call(args, kwargs, weights=weights)
-
-        def build():
+        def build(call):
             shared = call.weights_shared()
             if shared is None:
                 return NotImplemented
@@ -576,7 +581,7 @@ def _as_is(func: Callable, weights: tuple = (), cheap: bool = False):
             fn = _Bound(_apply_template, func, call.args, call.kwargs, key=call.key)
             return label, fn, *structure, shared, cheap
 
-        return _planned(handler, call, build)
+        return _record(handler, args, kwargs, build, weights)
 
     return handler
 
@@ -590,9 +595,7 @@ def _elementwise(func: Callable, cheap: bool = True):
     label = func.__name__
 
     def handler(*args, **kwargs):
-        call = _Call(args, kwargs)
-
-        def build():
+        def build(call):
             structure = _meta_of(func, call)
             if not isinstance(structure[1], torch.dtype):
                 return NotImplemented
@@ -601,7 +604,7 @@ def _elementwise(func: Callable, cheap: bool = True):
                         key=(call.key, len(shape)))
             return label, fn, shape, dtype, (False,) * len(call.nodes), cheap
 
-        return _planned(handler, call, build)
+        return _record(handler, args, kwargs, build)
 
     return handler
 
@@ -674,14 +677,12 @@ def getitem(x: Expression, key: Any) -> Any:
                              "tensors are valid indices")
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
         return _generic(torch.Tensor.__getitem__, (x, key), {})
-    call = _Call((x, keys), {})
-
-    def build():
+    def build(call):
         shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
         return ("getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,),
                 True)
 
-    return _planned(getitem, call, build)
+    return _record(getitem, (x, keys), None, build)
 
 
 ops._getitem = getitem
@@ -793,15 +794,15 @@ def _reshape_like(func: Callable):
 
 
 def _linear(x, weight, bias=None):
-    call = _Call((x, weight) + ((bias,) if bias is not None else ()), {}, weights=(1, 2))
+    operands = (x, weight) if bias is None else (x, weight, bias)
 
-    def build():
+    def build(call):
         shared = call.weights_shared()
         if shared is None:
             return NotImplemented  # a per-instance weight: generic
         return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
 
-    return _planned(_linear, call, build)
+    return _record(_linear, operands, None, build, (1, 2))
 
 
 def _linear_batched(batch):
