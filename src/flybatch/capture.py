@@ -688,6 +688,34 @@ def getitem(x: Expression, key: Any) -> Any:
 ops._getitem = getitem
 
 
+def _pieces(func: Callable, default_dim_at: int):
+    """chunk / split / unbind of an expression: each piece a slice (or an index) of the batch,
+    the cheap direct `getitem`, instead of computing the whole split once per piece."""
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression) or any(isinstance(a, (torch.Tensor, Expression))
+                                                for a in args):
+            return NotImplemented
+        dim = kwargs.get("dim", args[default_dim_at] if len(args) > default_dim_at else 0)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return NotImplemented
+        call = _Call((x,) + args, kwargs)
+        structure = _meta_of(func, call)
+        if isinstance(structure[1], torch.dtype):
+            return NotImplemented
+        shapes, kind = structure
+        ndim = len(x.shape)
+        d = _dim(dim, ndim, func.__name__) - 1
+        lead = (slice(None),) * d
+        if func in (torch.unbind, T.unbind):
+            return kind(getitem(x, lead + (i,)) for i in range(len(shapes)))
+        pieces, start = [], 0
+        for shape, _ in shapes:
+            pieces.append(getitem(x, lead + (slice(start, start + shape[d]),)))
+            start += shape[d]
+        return kind(pieces)
+    return handler
+
+
 def _tensor_getitem(x, key):
     """`E[w]` on a parameter with an int: a row lookup (all lookups of one table batch into one
     embedding call, whatever the rows); an expression goes to `getitem`."""
@@ -1173,6 +1201,9 @@ for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, tor
         _register((_func,), _elementwise(_func))
 _register((F.linear, torch._C._nn.linear), _linear)
 _register((T.__getitem__,), _tensor_getitem)
+for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.split, 1),
+                       (T.unbind, 0), (torch.unbind, 0), (T.split_with_sizes, 1)):
+    _register((_func,), _pieces(_func, _dim_at))
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _as_is(F.group_norm, weights=(2, 3, "weight", "bias")))
