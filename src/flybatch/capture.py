@@ -1065,6 +1065,21 @@ def _rnn(gates: int):
     [h; c] and slices h out only where a layer's output is read."""
     lstm = gates == 4
 
+    def step():  # the plans' key for one step node (see `_record`)
+        raise AssertionError("a plan key, not called")
+
+    def build_step(call):
+        shared = call.weights_shared()
+        if shared is None:
+            return NotImplemented
+        (rows, _), dtype = call.operands[0]
+        hidden = call.operands[3][0][1]  # w_hh: (gates * H, H)
+        has_bias = len(call.nodes) == 6
+        fn = _Bound(_lstm_step_batched, has_bias, hidden) if lstm else \
+            _Bound(_gru_step_batched, has_bias)
+        return ("lstm_step" if lstm else "gru_step", fn, (rows, (2 if lstm else 1) * hidden),
+                dtype, shared, False)
+
     def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                 batch_first):
         if not isinstance(input, Expression) or len(input.shape) != 3 \
@@ -1089,12 +1104,8 @@ def _rnn(gates: int):
                 order = range(length) if direction == 0 else range(length - 1, -1, -1)
                 states = [None] * length
                 for t in order:
-                    call = _Call((xs[t], state) + weights, {}, g, weights=(2, 3, 4, 5))
-                    shared = call.weights_shared()
-                    fn = _Bound(_lstm_step_batched, has_biases, hidden) if lstm else \
-                        _Bound(_gru_step_batched, has_biases)
-                    state = _direct("lstm_step" if lstm else "gru_step", call, fn, (),
-                                    (rows, (2 if lstm else 1) * hidden), g.dtype, shared)
+                    state = _record(step, (xs[t], state) + weights, None, build_step,
+                                    (2, 3, 4, 5))
                     states[t] = state
                 outs_by_direction.append(states)
                 finals_h.append(state[..., :hidden] if lstm else state)
