@@ -221,6 +221,8 @@ class _Call:
 
 
 def _graph_of(args: tuple, kwargs: dict) -> Graph:
+    if args and type(args[0]) is Expression:  # the common case, first
+        return args[0].graph
     for x in list(args) + list(kwargs.values()):
         if isinstance(x, Expression):
             return x.graph
@@ -870,10 +872,13 @@ def _reduce_all(rule):
 def _detach(x):
     if not isinstance(x, Expression):
         return NotImplemented
-    g = x.graph
     with torch.no_grad():  # a node written under no_grad computes without autograd history
-        return _direct("detach", _Call((x,), {}, g), _identity, (), x.shape, g.dtype_of(x.id),
-                       shared=(False,), cheap=True)
+        return _record(_detach, (x,), None, _detach_plan)
+
+
+def _detach_plan(call):
+    shape, dtype = call.operands[0]
+    return "detach", _identity, shape, dtype, (False,), True
 
 
 def _identity(batch):
@@ -1223,7 +1228,7 @@ _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like, torch.randint_like):
     _register((_func,), _like(_func))
-for _func in (T.new_zeros, T.new_ones, T.new_empty, T.new_full, T.new_tensor):
+for _func in (T.new, T.new_zeros, T.new_ones, T.new_empty, T.new_full, T.new_tensor):
     _register((_func,), _new(_func))
 for _func, _n in ((F.nll_loss, 2), (F.cross_entropy, 2), (F.mse_loss, 2), (F.l1_loss, 2),
                   (F.binary_cross_entropy, 2), (F.binary_cross_entropy_with_logits, 2),
