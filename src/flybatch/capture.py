@@ -40,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops
@@ -66,6 +67,7 @@ _thread = threading.local()  # torch's mode stack is per thread: so is the depth
 def push() -> None:
     """Capture on (nested pushes share one mode; `Graph.__enter__`, `map_batched`)."""
     depth = getattr(_thread, "depth", 0)
+    _thread.optimizer_step = False
     if depth == 0:
         _thread.mode = _Capture()
         _thread.mode.__enter__()
@@ -84,13 +86,18 @@ _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride 
     is_contiguous is_floating_point is_complex is_signed data_ptr untyped_storage __len__ __repr__
     __format__ __hash__ __bool__ __int__ __float__ __index__ item tolist numpy __reduce_ex__
     __deepcopy__ requires_grad_ retain_grad register_hook backward __setstate__ __getstate__
-    get_device __dlpack__ __array__ is_set_to __contains__ __iter__""".split())
+    get_device __dlpack__ __array__ is_set_to __contains__ __iter__ detach to cpu cuda type
+    float double half bfloat16 pin_memory share_memory_ __reduce__""".split())
+# (detach / to / cpu... of a parameter itself: `state_dict()`, `model.to(...)`, checkpointing
+# inside a graph block work on the tensors, as they must; on an expression they are recorded.)
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
 
 
 def _involves_graph(func, types, args, kwargs) -> bool:
     """Whether a call must be recorded: an expression among its operands, a shadowed tensor
-    (written with an expression), or, with grad enabled, a parameter."""
+    (written with an expression), or a parameter (under `torch.no_grad()` too, so that an
+    evaluation batches; not inside an optimizer's step, whose updates are the parameters'
+    own)."""
     for t in types:
         if issubclass(t, Expression):
             return True
@@ -103,8 +110,8 @@ def _involves_graph(func, types, args, kwargs) -> bool:
         return False
     graph = _current.get()
     shadows = graph.shadows if graph is not None and not graph.closed else None
-    grad = torch.is_grad_enabled()
-    if not grad and not shadows:
+    params = not getattr(_thread, "optimizer_step", False)
+    if not params and not shadows:
         return False
     inplace = name.endswith("_") and not name.startswith("__") or name == "__setitem__"
     for x in _tensors(args, kwargs):
@@ -113,9 +120,23 @@ def _involves_graph(func, types, args, kwargs) -> bool:
         # A parameter (a leaf that requires grad): recorded, so its uses batch. A computed
         # tensor with grad (a value the graph returned, an eager result) runs eagerly, which
         # is exactly right, and a peek like `value.detach()` stays a tensor.
-        if grad and x.requires_grad and x.is_leaf and not inplace:
+        if params and x.requires_grad and x.is_leaf and not inplace:
             return True
     return False
+
+
+# An optimizer's step inside a graph block updates the parameters themselves: capture stays out
+# of it (global step hooks of torch.optim; a step that raised is forgotten at the next push).
+def _step_begins(optimizer, args, kwargs) -> None:
+    _thread.optimizer_step = True
+
+
+def _step_ends(optimizer, args, kwargs) -> None:
+    _thread.optimizer_step = False
+
+
+_optimizer.register_optimizer_step_pre_hook(_step_begins)
+_optimizer.register_optimizer_step_post_hook(_step_ends)
 
 
 def _tensors(args, kwargs):
