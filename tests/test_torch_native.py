@@ -899,3 +899,17 @@ def test_detach_stops_the_gradient():
         x = w * 1.0
         (x.detach() * x).sum().backward()
     assert w.grad.tolist() == [1.0, 2.0]
+
+
+def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():
+    embedding = seeded(nn.Embedding(10, IN, sparse=True))
+    sentences = [[1, 2, 2], [7], [3, 1]]
+
+    def loss_of(words):
+        return embedding(torch.tensor(words)).tanh().sum()
+
+    eager = run_eager(embedding, loss_of, sentences)
+    batched = run_batched(embedding, loss_of, sentences, "agenda")
+    assert batched.grads["weight"].is_sparse
+    torch.testing.assert_close(batched.grads["weight"].to_dense(),
+                               eager.grads["weight"].to_dense(), rtol=0, atol=ATOL)

@@ -358,8 +358,15 @@ def _batch_operands(xs, shared):
     """The batch tensors of a kernel: shared operands as one instance's tensor, the others
     expanded to the batch size (a `[1, ...]` read stands for every node of the batch)."""
     size = max((x.shape[0] for x, s in zip(xs, shared) if not s), default=1)
-    return size, [x[0] if s else x if x.shape[0] == size else x.expand(size, *x.shape[1:])
-                  for x, s in zip(xs, shared)]
+    return size, [_parameter(x) if s else x if x.shape[0] == size else
+                  x.expand(size, *x.shape[1:]) for x, s in zip(xs, shared)]
+
+
+def _parameter(x: torch.Tensor) -> torch.Tensor:
+    """A shared operand: the parameter itself where the batch holds a view of it (`[1, ...]`),
+    since a sparse gradient (F.embedding(sparse=True)) cannot flow back through a view."""
+    base = x._base
+    return base if base is not None and base.shape == x.shape[1:] else x[0]
 
 
 def _generic_kernel(xs, attr, shape):
