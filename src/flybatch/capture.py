@@ -79,12 +79,13 @@ def pop() -> None:
         _thread.mode = None
 
 
-# Tensor attributes and methods that describe a plain tensor: always run as they are.
+# Tensor attributes and methods that describe a plain tensor: always run as they are (and
+# attribute writes, `__set__`: `W.data = ...`, `p.grad = None` rebind, they compute nothing).
 _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride storage_offset
     is_contiguous is_floating_point is_complex is_signed data_ptr untyped_storage __len__ __repr__
     __format__ __hash__ __bool__ __int__ __float__ __index__ item tolist numpy __reduce_ex__
     __deepcopy__ requires_grad_ retain_grad register_hook backward __setstate__ __getstate__
-    get_device __dlpack__ __array__ is_set_to __contains__ __iter__""".split())
+    get_device __dlpack__ __array__ is_set_to __contains__ __iter__ __set__""".split())
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
 
 
