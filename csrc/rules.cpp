@@ -796,8 +796,10 @@ PyObject* expr_getitem(PyObject* x, PyObject* index) {
     Py_XDECREF(stop);
     return out;
   }
-  // ints, numpy integers and bools (which pick rejects: x[True] is not x[1])
-  int is_index = PyIndex_Check(index);
+  // ints, numpy integers and bools (which pick rejects: x[True] is not x[1]); a tensor (which
+  // has __index__ too) indexes as in torch, through the fallback
+  int is_index = PyIndex_Check(index) &&
+                 !PyObject_TypeCheck(index, reinterpret_cast<PyTypeObject*>(g_tensor_type));
   if (!is_index) {
     PyObject* types = PyObject_GetAttrString(g_ops_module, "_INDEX_TYPES");
     is_index = types ? PyObject_IsInstance(index, types) : -1;

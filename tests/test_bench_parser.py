@@ -60,11 +60,12 @@ def test_registered():
     assert ParserTask.modes() == PARSER_MODES
 
 
-def test_extra_modes_are_the_parsers_only_and_known_to_the_cli():
+def test_extra_modes_are_the_parsers_and_treelstms_only_and_known_to_the_cli():
+    own = {"parser": {"parser-auto", "parser-seq"}, "treelstm": {"torch-native"}}
     for name in TASKS:
         extra = set(task_class(name).TASK_EXTRA_MODES)
         assert extra <= set(EXTRA_MODES), name
-        assert extra == ({"parser-auto", "parser-seq"} if name == "parser" else set()), name
+        assert extra == own.get(name, set()), name
     assert cli.MODES == runner.ALL_MODES  # the CLI spells them out; same names, same order
     assert cli.parse_args(["parser", "--modes", "agenda", "parser-auto"]).modes == \
         ["agenda", "parser-auto"]

@@ -69,25 +69,27 @@ def push() -> None:
     depth = getattr(_thread, "depth", 0)
     _thread.optimizer_step = False
     if depth == 0:
-        _thread.mode = _Capture()
-        _thread.mode.__enter__()
+        mode = getattr(_thread, "mode", None)
+        if mode is None:  # one per thread, kept: a fresh mode per graph leaked ~35 B each
+            mode = _thread.mode = _Capture()
+        torch.overrides._push_mode(mode)
     _thread.depth = depth + 1
 
 
 def pop() -> None:
     _thread.depth -= 1
     if _thread.depth == 0:
-        _thread.mode.__exit__(None, None, None)
-        _thread.mode = None
+        torch.overrides._pop_mode()
 
 
-# Tensor attributes and methods that describe a plain tensor: always run as they are.
+# Tensor attributes and methods that describe a plain tensor: always run as they are (and
+# attribute writes, `__set__`: `W.data = ...`, `p.grad = None` rebind, they compute nothing).
 _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride storage_offset
     is_contiguous is_floating_point is_complex is_signed data_ptr untyped_storage __len__ __repr__
     __format__ __hash__ __bool__ __int__ __float__ __index__ item tolist numpy __reduce_ex__
     __deepcopy__ requires_grad_ retain_grad register_hook backward __setstate__ __getstate__
-    get_device __dlpack__ __array__ is_set_to __contains__ __iter__ detach to cpu cuda type
-    float double half bfloat16 pin_memory share_memory_ __reduce__""".split())
+    get_device __dlpack__ __array__ is_set_to __contains__ __iter__ __set__ detach to cpu cuda
+    type float double half bfloat16 pin_memory share_memory_ __reduce__""".split())
 # (detach / to / cpu... of a parameter itself: `state_dict()`, `model.to(...)`, checkpointing
 # inside a graph block work on the tensors, as they must; on an expression they are recorded.)
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
@@ -154,6 +156,10 @@ def _tensors(args, kwargs):
 
 def torch_call(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Record `func(*args, **kwargs)` (a call that involves the graph) as nodes."""
+    if kwargs.get("inplace") is True and args and isinstance(args[0], Expression):
+        # Run as a generic node it would overwrite the batch holding its input's value.
+        raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
+                        "expression, which has no storage; use inplace=False")
     handler = _HANDLERS.get(func)
     if handler is not None:
         out = handler(*args, **kwargs)
@@ -268,6 +274,8 @@ def _fill(template: Template, xs) -> Any:
         return xs[template.index]
     if type(template) in (list, tuple):
         return type(template)(_fill(t, xs) for t in template)
+    if type(template) is dict:  # the kwargs of a call (nn.LayerNorm passes weight=, bias=)
+        return {k: _fill(v, xs) for k, v in template.items()}
     return template
 
 
@@ -373,8 +381,15 @@ def _batch_operands(xs, shared):
     """The batch tensors of a kernel: shared operands as one instance's tensor, the others
     expanded to the batch size (a `[1, ...]` read stands for every node of the batch)."""
     size = max((x.shape[0] for x, s in zip(xs, shared) if not s), default=1)
-    return size, [x[0] if s else x if x.shape[0] == size else x.expand(size, *x.shape[1:])
-                  for x, s in zip(xs, shared)]
+    return size, [_parameter(x) if s else x if x.shape[0] == size else
+                  x.expand(size, *x.shape[1:]) for x, s in zip(xs, shared)]
+
+
+def _parameter(x: torch.Tensor) -> torch.Tensor:
+    """A shared operand: the parameter itself where the batch holds a view of it (`[1, ...]`),
+    since a sparse gradient (F.embedding(sparse=True)) cannot flow back through a view."""
+    base = x._base
+    return base if base is not None and base.shape == x.shape[1:] else x[0]
 
 
 def _generic_kernel(xs, attr, shape):
@@ -694,6 +709,9 @@ def _getitem_batched(key, batch):
 
 def getitem(x: Expression, key: Any) -> Any:
     keys = key if isinstance(key, tuple) else (key,)
+    # A 0-d integer tensor indexes as the int it holds (its meta stand-in has no value).
+    keys = tuple(int(k) if isinstance(k, torch.Tensor) and k.dim() == 0 and
+                 not k.is_floating_point() and k.dtype != torch.bool else k for k in keys)
     for k in keys:
         if isinstance(k, (bool, np.bool_, float)):
             raise IndexError(f"{x!r}[{key!r}]: only integers, slices, None, ... and integer "
@@ -752,8 +770,9 @@ def _tensor_getitem(x, key):
 
 # ---- the fast mappings ------------------------------------------------------------------------
 def _is_float(g: Graph, x: Any) -> bool:
-    if isinstance(x, Expression):
-        return g.dtype_of(x.id).is_floating_point
+    if isinstance(x, Expression):  # (not g.dtype_of: it would fix the graph's dtype early)
+        dtype = g.node_dtypes.get(x.id)
+        return dtype is None or dtype.is_floating_point
     if isinstance(x, torch.Tensor):
         return x.is_floating_point()
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -827,6 +846,23 @@ def _stack_batched(dim, batch):
     return torch.stack(batch, dim)
 
 
+def _transpose(x, dim0, dim1):
+    """x.transpose(dim0, dim1): both dims shifted past the batch dim."""
+    if not isinstance(x, Expression):
+        return NotImplemented
+    ndim = len(x.shape)
+    d0, d1 = _dim(dim0, ndim, "transpose"), _dim(dim1, ndim, "transpose")
+    shape = list(x.shape)
+    if ndim:
+        shape[d0 - 1], shape[d1 - 1] = shape[d1 - 1], shape[d0 - 1]
+    return _direct("transpose", _Call((x,), {}), _Bound(_transpose_batched, d0, d1), (),
+                   tuple(shape), x.graph.dtype_of(x.id), shared=(False,), cheap=True)
+
+
+def _transpose_batched(dim0, dim1, batch):
+    return batch[0].transpose(dim0, dim1)
+
+
 def _reshape_like(func: Callable):
     """view / reshape / flatten / squeeze / unsqueeze...: fb.reshape to the meta shape."""
     def handler(x, *args, **kwargs):
@@ -836,8 +872,8 @@ def _reshape_like(func: Callable):
         if len(call.nodes) != 1:
             return NotImplemented
         shape, dtype = _meta_of(func, call)
-        if dtype != call.graph.dtype_of(x.id):
-            return NotImplemented
+        if dtype != call.graph.dtype_of(x.id) or dtype != call.graph.dtype:
+            return NotImplemented  # fb.reshape nodes have the graph's dtype: generic
         if tuple(shape) == tuple(x.shape):
             return x
         return ops.reshape(x, shape)
@@ -899,11 +935,12 @@ def _detach(x):
 
 def _detach_plan(call):
     shape, dtype = call.operands[0]
-    return "detach", _identity, shape, dtype, (False,), True
+    return "detach", _detached, shape, dtype, (False,), True
 
 
-def _identity(batch):
-    return batch[0]
+def _detached(batch):
+    # Under no_grad an identity would hand on its input, history and all: detach it.
+    return batch[0].detach()
 
 
 def _like(func: Callable):
@@ -1024,8 +1061,11 @@ def _cell(func: Callable, outputs: int):
                                                             if b is not None)
         call = _Call(operands, {})
         shared = call.shared()
-        if not all(shared[1 + len(states):]) or any(shared[:1 + len(states)]):
+        if not all(shared[1 + len(states):]):
             return NotImplemented
+        # Input and states are per instance even when they are leaves that require grad (a
+        # learned initial state): batched by shape, not by node.
+        shared = (False,) * (1 + len(states)) + shared[1 + len(states):]
         g = call.graph
         x_shape = g.shape_of(call.nodes[0])
         if len(x_shape) != 2:
@@ -1108,9 +1148,12 @@ def _rnn(gates: int):
 
     def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                 batch_first):
-        if not isinstance(input, Expression) or len(input.shape) != 3 \
+        if not isinstance(input, (Expression, torch.Tensor)) or len(input.shape) != 3 \
                 or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
+        if not isinstance(input, Expression):  # a plain sequence into the module's parameters
+            g = current_graph()
+            input = Expression(g, node_of_tensor(g, input))
         g = input.graph
         if batch_first:
             input = input.transpose(0, 1)  # (length, rows, features)
@@ -1211,13 +1254,13 @@ for _name_, _funcs in {
         "argmin": (torch.argmin, T.argmin), "amax": (torch.amax, T.amax),
         "amin": (torch.amin, T.amin), "norm": (), "std": (), "var": (),
         "select": (torch.select, T.select), "narrow": (torch.narrow, T.narrow),
-        "unbind": (), "transpose": (torch.transpose, T.transpose),
+        "unbind": (),
         "movedim": (), "roll": (), "flip": (), "cross": (),
         "normalize": (F.normalize,), "glu": (F.glu,),
 }.items():
     for _func in _funcs:
-        _register((_func,), _shifted(_func, 1, _name_, cheap=_name_ in ("select", "narrow",
-                                                                        "transpose")))
+        _register((_func,), _shifted(_func, 1, _name_, cheap=_name_ in ("select", "narrow")))
+_register((torch.transpose, T.transpose), _transpose)
 _register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
           else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))
 for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, torch.clip, T.clip,

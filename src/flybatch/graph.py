@@ -107,17 +107,28 @@ class Expression(_core.Expression):
 
     # The peeks below work on the value with the capture of torch calls off (capture.py):
     # inside `with fb.Graph()` a `.detach()` of a value that requires grad would be recorded.
-    def item(self) -> float:
+    # The value is asked for first, with capture on: the request may suspend this instance of
+    # `map_batched`, and torch's switch is per thread, so a switch held across the suspension
+    # would turn capture off in the instances that run meanwhile.
+    def _peek(self) -> torch.Tensor:
+        value = self.value()
         with _no_capture():
-            return self.value().detach().item()
+            return value.detach()
+
+    def item(self) -> float:
+        value = self._peek()
+        with _no_capture():
+            return value.item()
 
     def numpy(self) -> np.ndarray:
+        value = self._peek()
         with _no_capture():
-            return self.value().detach().cpu().numpy()
+            return value.cpu().numpy()
 
     def argmax(self) -> int:
+        value = self._peek()
         with _no_capture():
-            return int(self.value().detach().argmax())
+            return int(value.argmax())
 
     def backward(self, retain_graph: bool = True) -> None:
         """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does.
@@ -129,34 +140,41 @@ class Expression(_core.Expression):
         self.graph.backward(self, retain_graph=retain_graph)
 
     def __float__(self) -> float:
+        value = self._peek()
         with _no_capture():
-            return float(self.value().detach())
+            return float(value)
 
     def __int__(self) -> int:
+        value = self._peek()
         with _no_capture():
-            return int(self.value().detach())
+            return int(value)
 
     def __bool__(self) -> bool:
+        value = self._peek()
         with _no_capture():
-            return bool(self.value().detach())
+            return bool(value)
 
     # Comparisons ask for the value (so control flow can depend on it). `==` and `!=` keep
     # identity semantics so that expressions stay usable as dict keys and in `in` tests.
     def __lt__(self, other: Any) -> bool:
+        a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(self.value() < _plain(other))
+            return bool(a < b)
 
     def __le__(self, other: Any) -> bool:
+        a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(self.value() <= _plain(other))
+            return bool(a <= b)
 
     def __gt__(self, other: Any) -> bool:
+        a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(self.value() > _plain(other))
+            return bool(a > b)
 
     def __ge__(self, other: Any) -> bool:
+        a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(self.value() >= _plain(other))
+            return bool(a >= b)
 
     __hash__ = object.__hash__
 
@@ -170,7 +188,7 @@ _no_capture = torch._C.DisableTorchFunction
 
 
 def _plain(x: Any) -> Any:
-    return x.value() if isinstance(x, Expression) else x
+    return x._peek() if isinstance(x, Expression) else x
 
 
 class Graph(_core.Store):
@@ -312,16 +330,17 @@ class Graph(_core.Store):
         DyNet): it is copied unless `owned` (a fresh tensor nobody else can write), so a
         buffer reused afterwards does not change the node. With `keep_grad`, gradient flows
         back into `tensor`'s own autograd history."""
-        if tensor.device.type == "meta":
-            raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
-                             "device has no values to compute with")
-        shape = tuple(tensor.shape)
-        with _no_capture():
+        with _no_capture():  # flybatch's own tensor work, not the user's: no capture dispatch
+            if tensor.device.type == "meta":
+                raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
+                                 "device has no values to compute with")
+            shape = tuple(tensor.shape)
             value = tensor if keep_grad else tensor.detach()
             if not owned:
                 value = value.clone()
                 self._meet_dtype(tensor)  # a tensor the user made, not one flybatch converted
-        if tensor.is_floating_point() or tensor.is_complex():
+            floating = tensor.is_floating_point() or tensor.is_complex()
+        if floating:
             return self.add(INPUT, (), shape, ("input", shape), value).id
         node = self.add(INPUT, (), shape, ("input", shape, tensor.dtype), value).id
         self.node_dtypes[node] = tensor.dtype

@@ -28,7 +28,8 @@ of the graph it runs on, ``forward_mode(mode, batch, train)`` computes it (retur
 also listed in this module's ``EXTRA_MODES`` (the CLI's choices and the reports' column order);
 the runner skips it for the tasks that do not offer it. E.g. the parser's ``parser-auto``
 (per-sentence code under ``fb.map_batched``) and ``parser-seq`` (the same code, one sentence
-after the other).
+after the other), and the Tree-LSTM's ``torch-native`` (its eager per-instance torch code, run
+unchanged inside the graph: the capture layer records it).
 
 Embedding tables are registered with ``sparse=True``: every mode must read them with sparse
 gradients (``fb.lookup(E, i, sparse=True)``, ``F.embedding(..., sparse=True)``), because the
@@ -53,7 +54,7 @@ from flybatch.bench.tasks_data import TaskData
 MODES = ("eager", "none", "depth", "agenda", "auto", "manual")  # every task implements these
 FLYBATCH_MODES = ("none", "depth", "agenda", "auto")
 # Modes that only some tasks implement (``Task.TASK_EXTRA_MODES``), in report order.
-EXTRA_MODES = ("parser-auto", "parser-seq")
+EXTRA_MODES = ("parser-auto", "parser-seq", "torch-native")
 
 
 @dataclass

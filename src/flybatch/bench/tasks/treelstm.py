@@ -11,7 +11,10 @@ names for DyNet.
 * flybatch: the same per-node code with ``fb.lookup``, ``TreeLSTMCell.leaf`` / ``cell`` and an
   ``fb.nn.Linear`` output layer;
 * manual: level by level (a node's level = its height), every node of a level of every tree
-  in one batched cell; one ``cross_entropy`` over all nodes.
+  in one batched cell; one ``cross_entropy`` over all nodes;
+* torch-native: the eager code, unchanged, inside ``fb.Graph(strategy="auto")`` (the capture
+  layer records its torch calls as nodes); evaluation runs the trees under ``fb.map_batched``,
+  since the eager code asks for each tree's prediction with ``int(...argmax())``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ GATES = ("i", "o", "u")
 
 class TreeLSTM(Task):
     name = "treelstm"
+    TASK_EXTRA_MODES = {"torch-native": "auto"}
 
     def __init__(self, data: TaskData, device="cpu", seed: int = 0):
         super().__init__(data, device, seed)
@@ -102,9 +106,17 @@ class TreeLSTM(Task):
 
     def forward_eager(self, batch, train):
         if not train:
-            return [int(F.linear(self._eager_tree(t, False)[0], self.W_out, self.b_out).argmax())
-                    for t in batch]
+            return [self._eager_prediction(t) for t in batch]
         return torch.stack([self._eager_tree(t, True)[1] for t in batch]).sum()
+
+    # ---- torch-native: the eager code, recorded ----------------------------------------------
+    def _eager_prediction(self, tree) -> int:
+        return int(F.linear(self._eager_tree(tree, False)[0], self.W_out, self.b_out).argmax())
+
+    def forward_mode(self, mode, batch, train):
+        if train:
+            return self.forward_eager(batch, train)
+        return fb.map_batched(self._eager_prediction, batch)
 
     # ---- flybatch: the same per-node code ----------------------------------------------------
     def _fb_tree(self, tree, losses: list | None):
