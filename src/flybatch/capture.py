@@ -156,6 +156,8 @@ def _tensors(args, kwargs):
 
 def torch_call(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Record `func(*args, **kwargs)` (a call that involves the graph) as nodes."""
+    if "_stacklevel" in kwargs:  # nn.LogSoftmax's warning depth: not part of the computation
+        kwargs = {k: v for k, v in kwargs.items() if k != "_stacklevel"}
     if kwargs.get("inplace") is True and args and isinstance(args[0], Expression):
         # Run as a generic node it would overwrite the batch holding its input's value.
         raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
@@ -762,9 +764,15 @@ def _tensor_getitem(x, key):
     embedding call, whatever the rows); an expression goes to `getitem`."""
     if isinstance(x, Expression):
         return x[key]
-    if type(key) is int and x.requires_grad and x.is_leaf and x.dim() >= 1 and \
-            x.is_floating_point():
-        return ops.lookup(x, key) if x.dim() == 2 else _generic(T.__getitem__, (x, key), {})
+    if not (x.requires_grad and x.is_leaf and x.is_floating_point() and x.dim() >= 1):
+        return NotImplemented
+    if type(key) is int and x.dim() == 2:
+        return ops.lookup(x, key)
+    keys = key if isinstance(key, tuple) else (key,)
+    if all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
+        # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
+        g = current_graph()
+        return Expression(g, g.parameter_view_node(x, key, _key(keys)))
     return NotImplemented
 
 

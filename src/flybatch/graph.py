@@ -71,7 +71,24 @@ def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
 
 def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
     (node,) = nodes  # a parameter is one node per graph, never batched with another
-    return graph.attr_of(node).unsqueeze(0)
+    value = graph.attr_of(node)
+    if isinstance(value, ParameterView):
+        value = value()
+    return value.unsqueeze(0)
+
+
+class ParameterView:
+    """`parameter[key]` with a constant key (a Tree-LSTM's `U_f[0]`), taken when the forward
+    runs: the node of such a view is a parameter node of its own, one per graph, so that every
+    product with it batches as a product with a shared weight."""
+
+    __slots__ = ("parameter", "key")
+
+    def __init__(self, parameter: torch.Tensor, key: Any):
+        self.parameter, self.key = parameter, key
+
+    def __call__(self) -> torch.Tensor:
+        return self.parameter[self.key]
 
 
 def _filled_kernel(value: float) -> Callable[["Graph", Sequence[int]], torch.Tensor]:
@@ -287,6 +304,21 @@ class Graph(_core.Store):
             self._leaf_nodes[key] = node
             self.parameter_nodes.append(node)
             self.set_parameter_tag(node, signatures.tag(self, tensor))
+        return node
+
+    def parameter_view_node(self, tensor: torch.Tensor, key: Any, key_id: Any) -> int:
+        """The one node of `tensor[key]` in this graph (`key_id`: a hashable form of `key`)."""
+        leaf_key = ("view", id(tensor), key_id)
+        node = self._leaf_nodes.get(leaf_key)
+        if node is None:
+            self.check_tensor("parameter", tensor)
+            view = ParameterView(tensor, key)  # holds the tensor: its id stays its own
+            with _no_capture():
+                shape = tuple(view().shape)
+            node = self.n_nodes
+            self.add(PARAMETER, (), shape, ("parameter", node), view)
+            self._leaf_nodes[leaf_key] = node
+            self.set_parameter_tag(node, signatures.tag(self, view))
         return node
 
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:

@@ -54,4 +54,8 @@ def _describe(item: object) -> str:
         if all(isinstance(d, int) for d in item):
             return str(item)
         return "".join(_describe(i) for i in item)
-    return "" if item is None else f"[{item}]"
+    if item is None:
+        return ""
+    if callable(item) and hasattr(item, "__name__"):  # a kernel function: its name, no address
+        return f"[{item.__name__}]"
+    return f"[{item}]"
