@@ -3,6 +3,7 @@
 The oneDNN GEMM path (forced, so that it runs whatever the calibration would pick) gives the
 values and gradients of torch's own product; it never serves a stale packed weight after an
 optimizer step; float64 stays on the default path; and whole models train the same on either.
+The FLOP counter counts every matrix product once, exactly, however the graph batched it.
 """
 
 from __future__ import annotations
@@ -129,3 +130,39 @@ def test_a_model_trains_the_same_on_the_onednn_and_default_paths(gemm):
     assert fast_losses == pytest.approx(losses, rel=1e-5)
     for ours, theirs in zip(fast_params, params):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_flops_are_2k_per_output_and_as_much_again_per_operand_gradient():
+    w, b = weights(24, 16)
+    x = torch.randn(5, 16)
+    forward = 2 * 5 * 16 * 24
+    counted = []
+    for grad_of_x, grad_mode in ((False, False), (False, True), (True, True)):
+        kernels.flops.reset()
+        with torch.set_grad_enabled(grad_mode):
+            kernels.linear(x.clone().requires_grad_(grad_of_x), w, b)
+        counted.append(kernels.flops.total)
+    assert counted == [forward, 2 * forward, 3 * forward]  # eval; + dW; + dW and dX
+
+
+@pytest.mark.parametrize("strategy", ["none", "agenda"])
+def test_a_graph_counts_the_same_flops_whatever_its_batching(strategy):
+    gen = torch.Generator().manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(8, 12, generator=gen))
+    U = torch.nn.Parameter(torch.randn(5, 8, generator=gen))
+    E = torch.nn.Parameter(torch.randn(10, 4, generator=gen))
+    sequences = [[1, 2, 3], [4], [5, 6, 7, 8]]
+    kernels.flops.reset()
+    with fb.Graph(strategy=strategy):
+        losses = []
+        for words in sequences:
+            h = fb.zeros(8)
+            for word in words:
+                h = fb.tanh(W @ fb.concat([h, fb.lookup(E, word)]))
+            M = torch.randn(3, 8, generator=gen)  # a per-instance matrix: no gradient of its own
+            losses.append(fb.sum_elems(U @ h) + fb.sum_elems(M @ h))
+        fb.esum(losses).item()
+    tokens = sum(map(len, sequences))
+    with_both_grads, with_one_grad = 3 * 2, 2 * 2  # forward + dX + dW; forward + dX
+    assert kernels.flops.total == (with_both_grads * (tokens * 8 * 12 + 3 * 5 * 8)
+                                   + with_one_grad * 3 * 3 * 8)

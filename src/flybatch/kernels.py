@@ -22,6 +22,10 @@ FLYBATCH_GEMM=auto.
 
 `set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) picks
 the mode; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
+
+`flops` counts the model FLOPs of the matrix products (these, the fused cells' other products,
+the batched `matmul` and attention kernels) where they run, so that a benchmark can divide a
+step's FLOPs by its time and compare with the machine's GEMM peak.
 """
 
 from __future__ import annotations
@@ -56,6 +60,34 @@ def get_gemm() -> str:
 
 
 set_gemm(os.environ.get("FLYBATCH_GEMM", "default"))
+
+
+# ---- model FLOPs ----------------------------------------------------------------------------------
+class FlopCounter:
+    """The FLOPs of the matrix products run since `reset()`: 2k per dot product of length k (a
+    product [m, k] x [k, n] has m*n of them), and as much again for each operand whose gradient
+    autograd records (backward's dX = dY W and dW = dY^T X are products of the same size),
+    counted when the forward runs, backward or not. Elementwise work (biases, activations,
+    sums, the loss) is not counted: the count is what a GEMM peak bounds."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def __repr__(self) -> str:
+        return f"FlopCounter(total={self.total:,})"
+
+    def reset(self) -> None:
+        self.total = 0
+
+    def add(self, products: int, k: int, *operands: torch.Tensor) -> None:
+        """Count `products` dot products of length `k` of these operands."""
+        grads = sum(t.requires_grad for t in operands) if torch.is_grad_enabled() else 0
+        self.total += 2 * products * k * (1 + grads)
+
+
+flops = FlopCounter()
 
 
 # ---- packed weights, one per parameter version ------------------------------------------------
@@ -204,4 +236,5 @@ def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path."""
+    flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
     return _product(x, w, b)

@@ -415,6 +415,8 @@ def _nary_kernel(xs, attr, shape):
     if has_x:
         iou = iou + kernels.linear(x, xs[-1].squeeze(0))
     u_fs = u_f.squeeze(0).unbind(0)  # unbind: its backward stacks, no zero-filled copies
+    for h in hs:  # the forget gates' products, outside `kernels.linear`
+        kernels.flops.add(h.shape[0] * u_f.shape[-2], h.shape[1], h, u_f)
     c = sum(torch.sigmoid(torch.addmm(b_f.squeeze(0), h, u_fs[k].T)) * ck
             for k, (h, ck) in enumerate(zip(hs, cs)))
     return _finish(iou, c)

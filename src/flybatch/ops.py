@@ -189,13 +189,17 @@ def _matmul_kernel(xs, attr, shape):
     a, b = xs
     a_vec, b_vec = attr
     if a_vec and b_vec:  # dot product of two vectors
-        return (a * b).sum(-1)
-    if b_vec:  # matrix @ vector: a shared W gives ONE [B, n] x [n, m] product
-        return kernels.linear(b, a.squeeze(0)) if a.shape[0] == 1 else \
-            (a @ b.unsqueeze(-1)).squeeze(-1)
-    if a_vec:  # vector @ matrix
-        return a @ b.squeeze(0) if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
-    return torch.matmul(a, b)  # matrix @ matrix, batched (bmm), broadcasting a shared operand
+        out = (a * b).sum(-1)
+    elif b_vec:  # matrix @ vector: a shared W gives ONE [B, n] x [n, m] product
+        if a.shape[0] == 1:
+            return kernels.linear(b, a.squeeze(0))  # counts its own FLOPs
+        out = (a @ b.unsqueeze(-1)).squeeze(-1)
+    elif a_vec:  # vector @ matrix
+        out = a @ b.squeeze(0) if b.shape[0] == 1 else (a.unsqueeze(1) @ b).squeeze(1)
+    else:  # matrix @ matrix, batched (bmm), broadcasting a shared operand
+        out = torch.matmul(a, b)
+    kernels.flops.add(out.numel(), a.shape[-1], a, b)  # each output: a dot over a's last axis
+    return out
 
 
 # Signature ("matmul", tag of a if a parameter, shape of a, shape of b); attr (a is a vector,
@@ -209,7 +213,9 @@ def _affine_kernel(xs, attr, shape):
     w, x, b = xs
     if w.shape[0] == 1 and b.shape[0] == 1:
         return kernels.linear(x, w.squeeze(0), b.squeeze(0))
-    return (w @ x.unsqueeze(-1)).squeeze(-1) + b
+    out = (w @ x.unsqueeze(-1)).squeeze(-1)
+    kernels.flops.add(out.numel(), x.shape[-1], w, x)
+    return out + b
 
 
 # Signature ("affine", tag of W, tag of b, shape of W, shape of x).
@@ -266,6 +272,9 @@ def _attention_kernel(stride: int):
         values = items[:, 2::2] if stride == 2 else keys
         scores = (keys @ query.unsqueeze(-1)).squeeze(-1)
         count = (lengths - 1) // stride
+        # Two products (scores, weighted sum) of one dot per real key each; padding is not
+        # the model's work.
+        kernels.flops.add(2 * int(count.sum()), query.shape[-1], items)
         if (count < count.max()).any():
             padding = np.arange(int(count.max())) >= count[:, None]
             scores = scores.masked_fill(torch.from_numpy(padding).to(scores.device), -math.inf)
