@@ -8,7 +8,7 @@ import torch
 
 from flybatch.bench import report, runner
 from flybatch.bench.tasks import MODES, create
-from flybatch.bench.tasks_data import minibatches, prepare
+from flybatch.bench.tasks_data import minibatches, prepare, tree_nodes
 
 OWN_TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm")
 BATCH = 4
@@ -98,6 +98,36 @@ def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
     assert "| treelstm |" in table and "agenda" in table
     assert {p.name for p in report.charts(lines, tmp_path)} == {"throughput.png",
                                                                  "breakdown.png"}
+
+
+def test_every_mode_reports_gflops_next_to_the_gemm_peak(tmp_path, datasets, capsys):
+    s = runner.Settings(batch_size=BATCH, seconds=0.0, eval_seconds=0.0, warmup=0, min_timed=1,
+                        n_synthetic=12, out=str(tmp_path / "r.jsonl"))
+    recs = runner.run_task("treelstm", ["eager", "agenda", "manual"], s)
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    for r in lines:
+        assert r["gemm_peak_gflop_per_s"] > 0
+        assert r["gflop_per_s"] > 0 and r["percent_of_peak"] > 0
+    eager, agenda, manual = recs
+    assert agenda["flops_counted_by"] == "own steps"
+    assert eager["flops_counted_by"] == manual["flops_counted_by"] == "flybatch, same minibatches"
+    # Each mode timed one minibatch, the same one (the second): its exact count, in every mode.
+    batches = minibatches(datasets["treelstm"].train, BATCH, seed=0)
+    next(batches)
+    nodes = [n for tree in next(batches) for n in tree_nodes(tree)]
+    leaves = sum(not n.children for n in nodes)
+    H, labels = 256, datasets["treelstm"].sizes["labels"]
+    # leaves: W_iou; inner nodes: U_iou and U_f1, U_f2; every node: W_out. Each product runs
+    # forward, dX and dW: three of its size.
+    expected = 3 * 2 * (leaves * H * 3 * H + (len(nodes) - leaves) * (2 * H * 3 * H + 2 * H * H)
+                        + len(nodes) * H * labels)
+    assert [r["flops_per_minibatch"] for r in recs] == [expected] * 3
+    assert "GFLOP/s" in capsys.readouterr().out
+    table = report.markdown(lines)
+    assert "GFLOP/s vs peak" in table
+    row = next(ln for ln in table.split("**GFLOP/s vs peak**")[1].splitlines()
+               if ln.startswith("| treelstm |"))
+    assert row.count("%)") == 3
 
 
 def test_mismatched_losses_fail_loudly():

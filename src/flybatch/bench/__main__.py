@@ -146,6 +146,10 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"flybatch bench run {s.run_id}: tasks {' '.join(tasks)}; modes {' '.join(args.modes)};"
           f" batch {s.batch_size}, {s.threads} thread(s), device {s.device}, "
           f"data {args.data_dir or 'synthetic'}", flush=True)
+    if is_main:
+        from flybatch.bench.flops import gemm_peak
+
+        print(gemm_peak(s.device), flush=True)
     records, failed = [], []
     for task in tasks:
         try:

@@ -74,6 +74,11 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         return (f"{r['launches_over_bound']:.2f}x; "
                 f"{r['gathers']:,.0f} / {r['gathers_avoided']:,.0f}")
 
+    def gflops_cell(r):
+        if "gflop_per_s" not in r:
+            return "–"
+        return f"{r['gflop_per_s']:.1f} ({r['percent_of_peak']:.0f}%)"
+
     def memory_cell(r):
         s = f"{r.get('peak_rss_mb') or 0:,.0f}"
         if "peak_rss_growth_mb" in r:
@@ -93,6 +98,8 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "per minibatch):\n", table(train_cell),
            "**Evaluation** (instances/s, forward only):\n",
            table(lambda r: _fmt_rate(r["eval_per_s"])),
+           *([_gflops_heading(any_rec), table(gflops_cell)]
+             if any("gflop_per_s" in r for r in cells.values()) else []),
            *_distributed(cells),
            "**Launches / lower bound; input copies made / avoided** (flybatch modes):\n",
            table(detail_cell),
@@ -102,6 +109,18 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "**First-minibatch loss** (the correctness line: equal across modes):\n",
            table(lambda r: f"{r['first_loss']:.6g}")]
     return "\n".join(out)
+
+
+def _gflops_heading(rec: dict[str, Any]) -> str:
+    peak = rec.get("gemm_peak_gflop_per_s")
+    shape = "x".join(map(str, rec.get("gemm_peak_shape", ())))
+    return ("**GFLOP/s vs peak** (training: the model's matrix-product FLOPs per minibatch "
+            "over the median seconds per minibatch; forward and backward, whose dX and dW are "
+            "two products of the forward's size; elementwise work not counted; the eager, manual "
+            "and DyNet modes get the FLOPs flybatch counts on the same minibatches; in brackets "
+            "% of the measured GEMM "
+            + (f"peak, {peak:.1f} GFLOP/s (F.linear {shape}, best shape)" if peak else "peak")
+            + "):\n")
 
 
 def _distributed(cells) -> list[str]:

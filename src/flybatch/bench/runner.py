@@ -14,7 +14,9 @@ parameters) and trained on the same minibatch sequence (``tasks_data.minibatches
 
 A result is the medians of those minibatches: instances/s, seconds per phase, kernel launches
 and their lower bound, input copies made and avoided, nodes, plus peak memory (peak RSS of the
-process during the mode, the high-water mark reset per mode; on CUDA the peak allocated).
+process during the mode, the high-water mark reset per mode; on CUDA the peak allocated), and
+the achieved GFLOP/s next to the machine's GEMM peak (``flops``: the flybatch modes count their
+matrix products' FLOPs; the other modes get flybatch's count of the same minibatches).
 DyNet peers run as subprocesses in the venv of the DyNet build ``Settings.dynet`` names
 (``make peers`` installs both, see :data:`DYNET_VENVS`) with the same initial parameters
 (``--init``, from ``Task.export_spec``); their records say which DyNet ran (``dynet``).
@@ -51,6 +53,8 @@ import numpy as np
 import torch
 
 import flybatch.distributed as fbd
+from flybatch import kernels
+from flybatch.bench.flops import MinibatchFlops, gemm_peak
 from flybatch.bench.tasks import EXTRA_MODES, MODES, create, task_class
 from flybatch.bench.tasks.base import StepResult
 from flybatch.bench.tasks_data import (IdTree, TaskData, eval_batches, minibatches, prepare,
@@ -201,8 +205,10 @@ def _shard(batch: list) -> list:
     return fbd.shard(batch, cost=_cost) if fbd.is_distributed() else batch
 
 
-def run_mode(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str, Any]:
-    """Train and evaluate one mode; returns its result record (no I/O).
+def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
+             flops: MinibatchFlops | None = None) -> dict[str, Any]:
+    """Train and evaluate one mode; returns its result record (no I/O). A flybatch mode's
+    steps record their model FLOPs in `flops`.
 
     Under ``torchrun ... --distributed`` (a process group made by ``fbd.init``) every rank
     draws the same global minibatches, trains on its shard (split by cost: tree nodes or
@@ -229,6 +235,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str
         """This rank's shard: forward + backward, the gradient sum over ranks, the update.
         Returns the step's result, its extra phases (allreduce, update) and its instances."""
         mine = _shard(batch)
+        kernels.flops.reset()
         with fbd.step(params):  # failure check + gradient all-reduce; a no-op in one process
             r = task.step(mode, mine, train=True) if mine else StepResult(0.0)
             t0 = time.perf_counter()
@@ -246,6 +253,8 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings) -> dict[str
     start = time.perf_counter()
     while not fbd.any_rank(len(timed) >= s.min_timed and time.perf_counter() - start >= s.seconds):
         r, extra, n = train_step(next(batches))
+        if r.stats is not None and flops is not None:  # flybatch ran the step's products
+            flops.record(mode, 1 + s.warmup + len(timed), kernels.flops.total)
         timed.append({**r.seconds, **extra, "total": r.wall + sum(extra.values())})
         sizes.append(n)
         if r.stats is not None:
@@ -405,6 +414,9 @@ def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, An
     why_no_peers = peers_available(s.dynet) \
         if any(m in PEER_MODES for m in modes) and not s.distributed else None
     main = fbd.context().is_main  # under --distributed only rank 0 writes results
+    peak = gemm_peak(s.device)
+    meta.update(peak.record())
+    flops = MinibatchFlops(task_name, data, s.batch_size, s.seed, s.warmup, s.device, _shard)
     records, losses = [], {}
     for mode in modes:
         if mode in PEER_MODES:
@@ -428,8 +440,8 @@ def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, An
                   f"{' '.join(task_class(task_name).modes())})", flush=True)
             continue
         else:
-            rec = run_mode(task_name, mode, data, s)
-        rec = {**meta, **rec}
+            rec = run_mode(task_name, mode, data, s, flops)
+        rec = {**meta, **rec, **flops.result(rec, peak)}
         losses[mode] = rec["first_loss"]
         if main:
             _append(s.out, rec)
@@ -453,6 +465,8 @@ def _summary(r: dict[str, Any]) -> str:
                   + " + ".join(f"{x:.1f}" for x in r["per_process"]) + f" = {r['total']:.1f}/s")
     if r.get("dynet"):
         extra += f" (DyNet {r['dynet']})"
+    if "gflop_per_s" in r:
+        extra += f"; {r['gflop_per_s']:.1f} GFLOP/s, {r['percent_of_peak']:.0f}% of peak"
     return (f"{r['task']:16s} {r['mode']:13s} train {r['train_per_s']:8.1f}/s  "
             f"eval {r['eval_per_s']:8.1f}/s  loss0 {r['first_loss']:.6g}{extra}")
 
