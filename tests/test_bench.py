@@ -103,13 +103,13 @@ def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
 def test_every_mode_reports_gflops_next_to_the_gemm_peak(tmp_path, datasets, capsys):
     s = runner.Settings(batch_size=BATCH, seconds=0.0, eval_seconds=0.0, warmup=0, min_timed=1,
                         n_synthetic=12, out=str(tmp_path / "r.jsonl"))
-    recs = runner.run_task("treelstm", ["eager", "agenda", "manual"], s)
+    recs = runner.run_task("treelstm", ["eager", "agenda", "manual", "torch-native"], s)
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     for r in lines:
         assert r["gemm_peak_gflop_per_s"] > 0
         assert r["gflop_per_s"] > 0 and r["percent_of_peak"] > 0
-    eager, agenda, manual = recs
-    assert agenda["flops_counted_by"] == "own steps"
+    eager, agenda, manual, native = recs
+    assert agenda["flops_counted_by"] == native["flops_counted_by"] == "own steps"
     assert eager["flops_counted_by"] == manual["flops_counted_by"] == "flybatch, same minibatches"
     # Each mode timed one minibatch, the same one (the second): its exact count, in every mode.
     batches = minibatches(datasets["treelstm"].train, BATCH, seed=0)
@@ -121,13 +121,13 @@ def test_every_mode_reports_gflops_next_to_the_gemm_peak(tmp_path, datasets, cap
     # forward, dX and dW: three of its size.
     expected = 3 * 2 * (leaves * H * 3 * H + (len(nodes) - leaves) * (2 * H * 3 * H + 2 * H * H)
                         + len(nodes) * H * labels)
-    assert [r["flops_per_minibatch"] for r in recs] == [expected] * 3
+    assert [r["flops_per_minibatch"] for r in recs] == [expected] * 4
     assert "GFLOP/s" in capsys.readouterr().out
     table = report.markdown(lines)
     assert "GFLOP/s vs peak" in table
     row = next(ln for ln in table.split("**GFLOP/s vs peak**")[1].splitlines()
                if ln.startswith("| treelstm |"))
-    assert row.count("%)") == 3
+    assert row.count("%)") == 4
 
 
 def test_mismatched_losses_fail_loudly():

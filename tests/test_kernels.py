@@ -166,3 +166,14 @@ def test_a_graph_counts_the_same_flops_whatever_its_batching(strategy):
     with_both_grads, with_one_grad = 3 * 2, 2 * 2  # forward + dX + dW; forward + dX
     assert kernels.flops.total == (with_both_grads * (tokens * 8 * 12 + 3 * 5 * 8)
                                    + with_one_grad * 3 * 3 * 8)
+
+
+def test_a_captured_product_with_a_per_instance_weight_counts_its_flops():
+    W = torch.nn.Parameter(torch.randn(6, 4))
+    kernels.flops.reset()
+    with fb.Graph():
+        # F.linear on a computed weight: a generic node of the torch-native capture
+        outs = [torch.nn.functional.linear(fb.input(torch.randn(4)), W * (i + 1.0)).sum()
+                for i in range(3)]
+        fb.esum(outs).item()
+    assert kernels.flops.total == 3 * 2 * 6 * 4 * 2  # forward + dW (the input needs none)

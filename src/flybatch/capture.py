@@ -394,6 +394,11 @@ def _parameter(x: torch.Tensor) -> torch.Tensor:
     return base if base is not None and base.shape == x.shape[1:] else x[0]
 
 
+# Products a generic node may run (F.linear with a per-instance weight, e.g. a slice of a
+# parameter): `kernels.flops` counts them as the direct kernels count theirs.
+_PRODUCTS = (F.linear, torch.matmul, torch.mm, torch.bmm)
+
+
 def _generic_kernel(xs, attr, shape):
     func, args, kwargs, shared, out_index = attr
     size, batch = _batch_operands(xs, shared)
@@ -404,14 +409,20 @@ def _generic_kernel(xs, attr, shape):
 
     in_dims = tuple(None if s else 0 for s in shared)
     if all(s for s in shared):
-        return one(*batch).unsqueeze(0)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # vmap's "falling back to a slow loop" warnings
-            return torch.vmap(one, in_dims=in_dims, randomness="different")(*batch)
-    except Exception:  # no batching rule: one call per node
-        return torch.stack([one(*[t if s else t[i] for t, s in zip(batch, shared)])
-                            for i in range(size)])
+        out = one(*batch).unsqueeze(0)
+    else:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # vmap's "falling back to a slow loop" warnings
+                out = torch.vmap(one, in_dims=in_dims, randomness="different")(*batch)
+        except Exception:  # no batching rule: one call per node
+            out = torch.stack([one(*[t if s else t[i] for t, s in zip(batch, shared)])
+                               for i in range(size)])
+    if func in _PRODUCTS and len(args) >= 2:  # each output a dot over the first's last axis
+        a, b = _fill(args[:2], batch)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            kernels.flops.add(out.numel(), a.shape[-1], a, b)
+    return out
 
 
 GENERIC = Op("torch", _generic_kernel)
