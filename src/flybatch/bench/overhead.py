@@ -6,6 +6,14 @@ Building is timed from the first op call to the last (Python only: no torch work
 scheduling is `scheduling.schedule` on the whole graph. Costs per node should be flat across
 sizes (linear total cost); the floors (issue 10) are 0.5 us per node for building, 0.15 us for
 agenda scheduling and 0.1 us for depth scheduling. One thread: the cost of flybatch itself.
+
+It also times incremental forwards of about 75 nodes (`--forward-steps`): 15 parsers each score
+one transition (concat of four encoder states, affine, tanh, product, loss) and ask for the
+values, as the parser benchmark does about 110 times a minibatch. A forward costs scheduling,
+read planning, and one torch call per batch and gather; the tensors are tiny (16 wide), so this
+is the fixed cost per forward that issue 10 wants at or below 100 us. Two layouts: the features
+read rows of ONE earlier result (the parser's, whose BiLSTM outputs are one batch) and rows
+scattered over the results of every encoder step.
 """
 
 from __future__ import annotations
@@ -122,12 +130,55 @@ def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
             "schedule_us_per_node": statistics.median(schedule_us), "batches": batches}
 
 
+PARSERS, FEATURES = 15, 4
+
+
+def measure_forward(strategy: str, steps: int, scattered: bool, seed: int = 0) -> dict:
+    """Median microseconds of an incremental forward of one scoring step of every parser."""
+    torch.manual_seed(seed)
+    W, W_out = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN)), torch.nn.Parameter(
+        torch.randn(HIDDEN, HIDDEN))
+    U = torch.nn.Parameter(torch.randn(HIDDEN, FEATURES * HIDDEN))
+    b = torch.nn.Parameter(torch.zeros(HIDDEN))
+    O = torch.nn.Parameter(torch.randn(3, HIDDEN))
+    E = torch.nn.Parameter(torch.randn(1000, HIDDEN))
+    rng = random.Random(seed)
+    seconds, nodes = [], 0
+    with fb.Graph(strategy=strategy) as graph:
+        encoded = []
+        for _ in range(PARSERS):
+            h, states = fb.zeros(HIDDEN), []
+            for _ in range(rng.randint(10, 40)):
+                h = fb.tanh(fb.affine(W, h, b) + fb.lookup(E, rng.randrange(1000)))
+                # The output projection of every token is one batch (one result), as a
+                # BiLSTM's outputs are; without it the states live in one result per step.
+                states.append(h if scattered else fb.relu(fb.matmul(W_out, h)))
+            encoded.append(states)
+        graph.forward()
+        for step in range(steps):
+            before = graph.n_nodes
+            for states in encoded:
+                features = fb.concat([rng.choice(states) for _ in range(FEATURES)])
+                scores = fb.matmul(O, fb.tanh(fb.affine(U, features, b)))
+                fb.pick_neg_log_softmax(scores, rng.randrange(3))
+            nodes = graph.n_nodes - before
+            start = time.perf_counter()
+            graph.forward()
+            seconds.append(time.perf_counter() - start)
+    warm = seconds[len(seconds) // 10:]  # the first forwards warm torch's caches up
+    return {"nodes": nodes, "strategy": strategy,
+            "reads": "scattered" if scattered else "one result",
+            "forward_us": statistics.median(warm) * 1e6}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flybatch.bench overhead",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000])
     parser.add_argument("--strategies", nargs="+", default=["agenda", "depth"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forward-steps", type=int, default=300,
+                        help="incremental forwards timed per strategy (0: none)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -147,12 +198,23 @@ def main(argv: list[str] | None = None) -> None:
     for row in captured:
         print(f"| {row['nodes']} | {row['capture_us_per_call']:.2f} | "
               f"{row['capture_us_per_node']:.2f} | {row['fb_ops_us_per_node']:.2f} |")
+    forwards = [measure_forward(s, args.forward_steps, scattered)
+                for scattered in (False, True) for s in args.strategies] if args.forward_steps else []
+    if forwards:
+        print()
+        print("| forward of | reads | strategy | us/forward |")
+        print("|---|---|---|---|")
+        for row in forwards:
+            print(f"| {row['nodes']} nodes | {row['reads']} | {row['strategy']} | "
+                  f"{row['forward_us']:.0f} |")
     if args.out:
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps({"task": "overhead", **row}) + "\n")
             for row in captured:
                 f.write(json.dumps({"task": "overhead-capture", **row}) + "\n")
+            for row in forwards:
+                f.write(json.dumps({"task": "overhead-forward", **row}) + "\n")
 
 
 if __name__ == "__main__":
