@@ -197,6 +197,16 @@ class GraphSlice {
   }
 
   flybatch::OpFlags operator()(i64 node) const { return flags_[store_->nodes->op[node]]; }
+  flybatch::Columns& columns() const { return *store_->nodes; }
+
+  // The store's node_batch column, which must have room for nodes up to `end` - 1.
+  std::int32_t* node_batch(i64 end) const {
+    if (columns().batch.size() < end)
+      fail(PyExc_ValueError, "the graph's positions have room for " +
+                                 std::to_string(columns().batch.size()) + " nodes; call "
+                                 "graph.grow_positions(" + std::to_string(end) + ") first");
+    return columns().batch.data();
+  }
 
   // This slice's inputs as a CSR array of its own (offsets from its first input), for the
   // executor.
@@ -266,25 +276,26 @@ flybatch::Strategy strategy_of(const std::string& name) {
 }
 
 const char kScheduleDoc[] =
-    "schedule(strategy, graph, start, end, node_batch, node_row, first_batch, arg_ptr_out,\n"
-    "         arg_flat_out, order_out, ends_out) -> int\n\n"
+    "schedule(strategy, graph, start, end, first_batch, arg_ptr_out, arg_flat_out, order_out,\n"
+    "         ends_out) -> int\n\n"
     "Batch the graph's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'), reading its\n"
-    "columns in place. Writes each node's (batch, row) into node_batch/node_row, this forward's\n"
+    "columns in place. first_batch: the graph's batch count so far (its batch_sizes column).\n"
+    "Writes each node's (batch, row) into the graph's node_batch/node_row columns (grown to\n"
+    "end first: grow_positions), appends each new batch's size to batch_sizes, this forward's\n"
     "inputs as a CSR array (arg_ptr_out, relative to arg_flat_out) and the node ids of the\n"
     "batches, in batch and row order, into order_out, with the end of each batch in ends_out.\n"
     "Returns the number of batches.";
 
 PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {
-      "strategy",    "graph",       "start",        "end",       "node_batch", "node_row",
-      "first_batch", "arg_ptr_out", "arg_flat_out", "order_out", "ends_out",   nullptr};
+  static const char* names[] = {"strategy",     "graph",        "start",     "end",
+                                "first_batch",  "arg_ptr_out",  "arg_flat_out", "order_out",
+                                "ends_out",     nullptr};
   const char* strategy_name;
   long long start, end, first_batch;
-  PyObject *graph, *node_batch, *node_row, *arg_ptr_out, *arg_flat_out, *order_out, *ends_out;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOLLOOLOOOO:schedule",
-                                   const_cast<char**>(names), &strategy_name, &graph, &start,
-                                   &end, &node_batch, &node_row, &first_batch, &arg_ptr_out,
-                                   &arg_flat_out, &order_out, &ends_out))
+  PyObject *graph, *arg_ptr_out, *arg_flat_out, *order_out, *ends_out;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOLLLOOOO:schedule", const_cast<char**>(names),
+                                   &strategy_name, &graph, &start, &end, &first_batch,
+                                   &arg_ptr_out, &arg_flat_out, &order_out, &ends_out))
     return nullptr;
   return guarded([&]() -> PyObject* {
     const flybatch::Strategy strategy = strategy_of(strategy_name);
@@ -292,16 +303,22 @@ PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
     const flybatch::Nodes& nodes = store.nodes;
     // This forward's inputs go into the arrays the executor reads them from.
     store.copy_inputs(arg_ptr_out, arg_flat_out);
-    Int64Buffer batch_of(node_batch, "node_batch", end), row_of(node_row, "node_row", end);
+    flybatch::Columns& columns = store.columns();
+    if (first_batch != columns.batch_size.size())
+      fail(PyExc_ValueError, "first_batch is " + std::to_string(first_batch) + " but the graph "
+                             "has " + std::to_string(columns.batch_size.size()) + " batches");
     Int64Buffer order(order_out, "order_out", nodes.n), ends(ends_out, "ends_out", nodes.n);
     flybatch::Placement out;
-    out.node_batch = batch_of.data();
-    out.node_row = row_of.data();
+    out.node_batch = store.node_batch(end);
+    out.node_row = columns.row.data();
     out.first_batch = first_batch;
     out.order = order.data();
     out.ends = ends.data();
-    return PyLong_FromLongLong(
-        flybatch::schedule(strategy, nodes, [&](i64 node) { return store(node); }, out));
+    const i64 batches =
+        flybatch::schedule(strategy, nodes, [&](i64 node) { return store(node); }, out);
+    for (i64 b = 0; b < batches; ++b)
+      columns.batch_size.push(static_cast<std::int32_t>(out.ends[b] - (b ? out.ends[b - 1] : 0)));
+    return PyLong_FromLongLong(batches);
   });
 }
 
@@ -335,27 +352,25 @@ PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
 }
 
 const char kSplitsDoc[] =
-    "signature_splits(n, graph, forward_ends, node_batch)\n"
+    "signature_splits(n, graph, forward_ends)\n"
     "    -> dict[int, tuple[int, dict[int, int]]]\n\n"
     "Per signature of the store's first n nodes that launches a kernel: its lower bound (summed\n"
     "over forwards) and what its nodes that missed their (signature, rank) group's first launch\n"
-    "waited on: input signature -> inputs computed at or after that launch (node_batch: where\n"
-    "the schedule put each node).";
+    "waited on: input signature -> inputs computed at or after that launch (by where the\n"
+    "schedule put each node: the graph's node_batch column).";
 
 PyObject* py_signature_splits(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"n", "graph", "forward_ends", "node_batch", nullptr};
+  static const char* names[] = {"n", "graph", "forward_ends", nullptr};
   long long n;
-  PyObject *graph, *forward_ends, *node_batch;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOOO:signature_splits",
-                                   const_cast<char**>(names), &n, &graph, &forward_ends,
-                                   &node_batch))
+  PyObject *graph, *forward_ends;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LOO:signature_splits",
+                                   const_cast<char**>(names), &n, &graph, &forward_ends))
     return nullptr;
   return guarded([&]() -> PyObject* {
     const GraphSlice store(graph, 0, n);
     const std::vector<i64> cuts = forward_cuts(forward_ends, n);
-    Int64Buffer batch_of(node_batch, "node_batch", n);
     const std::vector<flybatch::SignatureSplit> splits = flybatch::signature_splits(
-        store.nodes, cuts, [&](i64 node) { return store(node); }, batch_of.data());
+        store.nodes, cuts, [&](i64 node) { return store(node); }, store.node_batch(n));
     PyObject* out = PyDict_New();
     if (!out) throw PythonError{};
     for (const flybatch::SignatureSplit& split : splits) {

@@ -239,8 +239,8 @@ class Placer {
     for (std::size_t row = 0; row < size; ++row) {
       const i64 node = nodes_.start + batch[row];
       out_.order[begin + row] = node;
-      out_.node_batch[node] = index;
-      out_.node_row[node] = static_cast<i64>(row);
+      out_.node_batch[node] = static_cast<std::int32_t>(index);
+      out_.node_row[node] = static_cast<std::int32_t>(row);
     }
     out_.ends[out_.batches++] = begin + static_cast<i64>(size);
   }
@@ -265,7 +265,7 @@ class Placer {
       for (std::size_t i = 1; i < size; ++i) {
         const i64 a = arg(batch[i], j);
         varying |= a != first;
-        latest = std::max(latest, out_.node_batch[a]);
+        latest = std::max<i64>(latest, out_.node_batch[a]);
       }
       if (varying && latest > recency) column = j, recency = latest;
     }
@@ -856,7 +856,8 @@ i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
 namespace flybatch {
 
 std::vector<SignatureSplit> signature_splits(const Nodes& all, const std::vector<i64>& forward_ends,
-                                             const OpFlagsOf& flags_of, const i64* node_batch) {
+                                             const OpFlagsOf& flags_of,
+                                             const std::int32_t* node_batch) {
   std::vector<SignatureSplit> splits;
   KeyNumbers index;  // interned signature -> entry of `splits`
   auto entry = [&](i64 sig) -> SignatureSplit& {
@@ -882,7 +883,7 @@ std::vector<SignatureSplit> signature_splits(const Nodes& all, const std::vector
     };
     for (Local v = 0; v < part.n; ++v) {
       const std::size_t g = group(v);
-      first[g] = std::min(first[g], node_batch[part.start + v]);
+      first[g] = std::min<i64>(first[g], node_batch[part.start + v]);
       most[sigs.of[v]] = std::max(most[sigs.of[v]], rank[v]);
     }
     for (std::size_t s = 0; s < sigs.count(); ++s)

@@ -39,8 +39,8 @@ void check_nodes(const Nodes& nodes);
 // Where the batches go: the node ids of all batches in batch and row order, and each node's
 // (batch, row) in the graph-wide position arrays, which also say where earlier inputs live.
 struct Placement {
-  i64* node_batch = nullptr;  // indexed by global node id
-  i64* node_row = nullptr;
+  std::int32_t* node_batch = nullptr;  // indexed by global node id
+  std::int32_t* node_row = nullptr;
   i64 first_batch = 0;        // global index of this forward's first batch
   i64* order = nullptr;       // n entries: global node ids, batch after batch
   i64* ends = nullptr;        // end of batch b in `order` (at most n entries)
@@ -79,6 +79,7 @@ struct SignatureSplit {
   std::map<i64, i64> waited_on;  // input signature -> inputs
 };
 std::vector<SignatureSplit> signature_splits(const Nodes& all, const std::vector<i64>& forward_ends,
-                                             const OpFlagsOf& flags_of, const i64* node_batch);
+                                             const OpFlagsOf& flags_of,
+                                             const std::int32_t* node_batch);
 
 }  // namespace flybatch

@@ -510,11 +510,14 @@ PyObject* store_is_no_grad(PyObject* self, PyObject* arg) {
       [&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
 }
 
-enum ColumnName { kSigs, kDepths, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kUnknown };
+enum ColumnName {
+  kSigs, kDepths, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kNodeBatch, kNodeRow, kBatchSizes,
+  kUnknown
+};
 
 ColumnName column_name(PyObject* name) {
-  static const char* names[] = {"sigs", "depths", "arg_flat", "ops", "arg_ptr", "shapes",
-                                "no_grad"};
+  static const char* names[] = {"sigs",    "depths",     "arg_flat", "ops",        "arg_ptr",
+                                "shapes",  "no_grad",    "node_batch", "node_row", "batch_sizes"};
   const char* text = PyUnicode_AsUTF8(name);
   if (!text) throw PythonError{};
   for (int i = 0; i < kUnknown; ++i)
@@ -526,7 +529,9 @@ const char kViewDoc[] =
     "view(name) -> memoryview\n\n"
     "Zero-copy, read-only view of a column over the nodes so far: 'sigs', 'depths', 'arg_flat'\n"
     "(int64); 'arg_ptr' (int64, n + 1 entries: the inputs of node v are\n"
-    "arg_flat[arg_ptr[v]:arg_ptr[v + 1]]); 'ops', 'shapes' (int32 codes); 'no_grad' (uint8).\n"
+    "arg_flat[arg_ptr[v]:arg_ptr[v + 1]]); 'ops', 'shapes' (int32 codes); 'no_grad' (uint8);\n"
+    "'node_batch', 'node_row' (int32: where each scheduled node's value lives, batch -1 before;\n"
+    "as many entries as grow_positions made room for) and 'batch_sizes' (int32, per batch).\n"
     "A view stays valid (and unchanged) after the store grows; take a new one to see more.";
 
 PyObject* store_view(PyObject* self, PyObject* name) {
@@ -544,8 +549,50 @@ PyObject* store_view(PyObject* self, PyObject* name) {
       case kOps: return c.op.view(n);
       case kShapes: return c.shape.view(n);
       case kNoGrad: return c.no_grad.view(n);
+      case kNodeBatch: return c.batch.view(c.batch.size());
+      case kNodeRow: return c.row.view(c.row.size());
+      case kBatchSizes: return c.batch_size.view(c.batch_size.size());
       default: raise(PyExc_KeyError, "no column %R", name);
     }
+  });
+}
+
+PyObject* store_grow_positions(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    const i64 n = as_int(arg);
+    if (n < 0 || n > n_nodes(s)) raise(PyExc_ValueError, "grow_positions: %lld nodes", n);
+    s->nodes->batch.extend_to(n, -1);
+    s->nodes->row.extend_to(n, 0);
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* store_position(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    const i64 v = node_arg(s, arg);
+    const Columns& c = *s->nodes;
+    if (v >= c.batch.size() || c.batch[v] < 0)
+      raise(PyExc_ValueError, "node %lld is not scheduled", v);
+    return Py_BuildValue("(ii)", c.batch[v], c.row[v]);
+  });
+}
+
+PyObject* store_unschedule(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
+  Store* s = as_store(self);
+  if (argc != 2) {
+    PyErr_SetString(PyExc_TypeError, "unschedule(start, first_batch)");
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    Columns& c = *s->nodes;
+    const i64 start = as_int(argv[0]), first_batch = as_int(argv[1]);
+    if (start < 0 || first_batch < 0 || first_batch > c.batch_size.size())
+      raise(PyExc_ValueError, "unschedule: start %lld, first batch %lld", start, first_batch);
+    for (i64 v = start; v < c.batch.size(); ++v) c.batch.data()[v] = -1;
+    c.batch_size.pop(c.batch_size.size() - first_batch);
+    Py_RETURN_NONE;
   });
 }
 
@@ -592,6 +639,15 @@ PyMethodDef kStoreMethods[] = {
     {"sig_of", store_sig_of, METH_O, "sig_of(node) -> int: the node's interned signature"},
     {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
     {"view", store_view, METH_O, kViewDoc},
+    {"grow_positions", store_grow_positions, METH_O,
+     "grow_positions(n): room in the node_batch/node_row columns for nodes 0..n-1 (the\n"
+     "scheduler writes where each node of a forward lives there; new entries are unscheduled)"},
+    {"position", store_position, METH_O,
+     "position(node) -> (batch, row): where a scheduled node's value lives"},
+    {"unschedule", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_unschedule)),
+     METH_FASTCALL,
+     "unschedule(start, first_batch): forget the positions of nodes start.. and the batches\n"
+     "first_batch.. (a forward that failed leaves the graph as it was before it)"},
     {"set_parameter_tag",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_set_parameter_tag)),
      METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},

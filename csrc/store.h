@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -51,6 +52,12 @@ class Column {
     data_[size_++] = x;
   }
   void pop(i64 n) { size_ -= n; }  // undoes the last n pushes of a node that failed
+  // Grows to `n` items, the new ones `fill` (a column written in place, not pushed to).
+  void extend_to(i64 n, T fill) {
+    while (capacity_ < n) grow();
+    std::fill(data_ + size_, data_ + std::max(n, size_), fill);
+    size_ = std::max(n, size_);
+  }
   // A read-only memoryview of the first `n` items (zero copy).
   PyObject* view(i64 n) const {
     if (!block_) block_ = new_block(sizeof(T), format_, 0);
@@ -102,6 +109,13 @@ struct Columns {
   Column<std::int32_t> shape{"i"};   // interned shape id, per graph
   Column<std::uint8_t> no_grad{"B"};  // written under torch.no_grad()
   Column<i64> index{"q"};            // the per-node int of ops that take one (pick, lookup)
+  // Where a node's value lives once scheduled: row `row` of the result of batch `batch` (-1:
+  // not scheduled). Written by the scheduler for a forward's nodes, so they are grown to the
+  // node count before it runs (Store.grow_positions), not pushed per node. 32 bits: a forward
+  // holds fewer than 2^31 nodes (schedule refuses more), and a graph fewer batches.
+  Column<std::int32_t> batch{"i"};
+  Column<std::int32_t> row{"i"};
+  Column<std::int32_t> batch_size{"i"};  // one entry per batch, not per node: its rows
 };
 
 struct Store {

@@ -83,7 +83,7 @@ def _refresh_parameters(graph: "Graph") -> None:
         if node >= graph.n_done:
             break  # computed by this forward's own parameter kernel
         tensor = graph.attr_of(node)
-        batch = graph.node_batch[node]
+        batch, _ = graph.position(node)
         cached = graph.values[batch]
         if cached.data_ptr() == tensor.data_ptr() and cached.shape[1:] == tensor.shape:
             continue

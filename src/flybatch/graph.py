@@ -245,12 +245,11 @@ class Graph(_core.Store):
         # `stats()` can still describe the launches).
         self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
-        # Execution state: node -> (batch, row) of `values`, filled by the scheduler; nodes
-        # below `n_done` (a store field) are computed.
+        # Execution state: node -> (batch, row) of `values` lives in the store's node_batch and
+        # node_row columns, filled by the scheduler; nodes below `n_done` (a store field) are
+        # computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
-        self.node_batch = np.zeros(0, dtype=np.int64)
-        self.node_row = np.zeros(0, dtype=np.int64)
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
         self.gathers_avoided = 0
@@ -449,7 +448,7 @@ class Graph(_core.Store):
                 del self.values[n_batches:]
                 del self.launches[n_launches:]
                 self.gathers, self.gathers_avoided = counters
-                self.node_batch[start:end] = -1
+                self.unschedule(start, n_batches)
                 self._idle_since = time.perf_counter()
                 raise
             self.n_done = end
@@ -467,8 +466,9 @@ class Graph(_core.Store):
                 self.before_value_request()
             if node >= self.n_done:
                 self.forward()
+        batch, row = self.position(node)
         with _no_capture():
-            return self.values[self.node_batch[node]][self.node_row[node]]
+            return self.values[batch][row]
 
     def backward(self, expr: Expression, retain_graph: bool = True) -> None:
         value = self.value_of(self.node_of(expr))
@@ -481,11 +481,17 @@ class Graph(_core.Store):
         self._idle_since = time.perf_counter()
 
     def _grow_positions(self, n: int) -> None:
-        have = len(self.node_batch)
-        if n > have:
-            grow = max(n, 2 * have) - have
-            self.node_batch = np.concatenate([self.node_batch, np.full(grow, -1, np.int64)])
-            self.node_row = np.concatenate([self.node_row, np.zeros(grow, np.int64)])
+        self.grow_positions(n)  # the store's, before scheduling nodes up to n - 1
+
+    @property
+    def node_batch(self) -> np.ndarray:
+        """The batch (index into `values`) of each scheduled node, -1 for others (read-only)."""
+        return np.asarray(self.view("node_batch"))
+
+    @property
+    def node_row(self) -> np.ndarray:
+        """The row of each scheduled node in its batch's result (read-only)."""
+        return np.asarray(self.view("node_row"))
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -17,9 +17,10 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   ready group with the longest path to the end of the forward (critical path); the agenda
   above; `depth`; and `depth`'s latest-possible twin. Never worse than `depth` or `agenda`.
 
-Scheduling also fixes where each node's value will live (`graph.node_batch/node_row`) and orders
-the rows of each batch by where its most recent input lives, so that the next batch usually
-finds its inputs as a contiguous, in-order run of an earlier result and reads them without a copy.
+Scheduling also fixes where each node's value will live (the store's node_batch/node_row
+columns) and orders the rows of each batch by where its most recent input lives, so that the
+next batch usually finds its inputs as a contiguous, in-order run of an earlier result and reads
+them without a copy.
 
 The algorithms are the compiled core's (csrc/schedule.cpp), linear in nodes + edges; they read the
 node store's columns in place; this module allocates the output arrays and turns its answer into a `Schedule`.
@@ -71,7 +72,7 @@ def schedule(graph: "Graph", start: int, end: int) -> Schedule:
                     np.empty(arg_ptr[end] - arg_ptr[start], np.int64))
     order, ends = np.empty(n, np.int64), np.empty(n, np.int64)
     count = _core.schedule(
-        strategy=graph.strategy, graph=graph, start=start, end=end, node_batch=graph.node_batch, node_row=graph.node_row, first_batch=plan.first_batch,
+        strategy=graph.strategy, graph=graph, start=start, end=end, first_batch=plan.first_batch,
         arg_ptr_out=plan.arg_ptr, arg_flat_out=plan.arg_flat, order_out=order, ends_out=ends)
     bounds = ends[:count].tolist()
     plan.batches = [order[a:b] for a, b in zip([0, *bounds], bounds)]

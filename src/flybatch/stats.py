@@ -111,8 +111,7 @@ def lower_bound(graph: "Graph", n: int | None = None, tight: bool = False) -> in
 
 def splits(graph: "Graph", n: int) -> dict[str, tuple[int, Counter]]:
     """Per signature of the first `n` (scheduled) nodes: its bound and what it waited on."""
-    found = _core.signature_splits(
-        n=n, graph=graph, forward_ends=graph.forward_ends, node_batch=graph.node_batch)
+    found = _core.signature_splits(n=n, graph=graph, forward_ends=graph.forward_ends)
     out: dict[str, tuple[int, Counter]] = {}
     for sig, (bound, waited) in found.items():
         name = signatures.describe(sig, graph)
