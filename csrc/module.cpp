@@ -12,8 +12,10 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "execute.h"
 #include "schedule.h"
 #include "store.h"
 
@@ -70,12 +72,13 @@ i64 read_arg_ptr(PyObject* arg_end, i64 begin, i64 end, i64* out) {
   return first;
 }
 
-// A writable, C-contiguous int64 buffer (a numpy array) of at least `size` items, held for the
-// duration of a call.
+// A C-contiguous int64 buffer (a numpy array) of at least `size` items, writable unless
+// `read_only`, held for the duration of a call.
 class Int64Buffer {
  public:
-  Int64Buffer(PyObject* obj, const char* name, i64 size) {
-    if (PyObject_GetBuffer(obj, &view_, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+  Int64Buffer(PyObject* obj, const char* name, i64 size, bool read_only = false) {
+    const int access = read_only ? 0 : PyBUF_WRITABLE;
+    if (PyObject_GetBuffer(obj, &view_, access | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
       throw PythonError{};
     const std::string format = view_.format ? view_.format : "B";
     const bool int64 =
@@ -87,6 +90,7 @@ class Int64Buffer {
     }
   }
   ~Int64Buffer() { PyBuffer_Release(&view_); }
+  i64 size() const { return view_.len / 8; }
   Int64Buffer(const Int64Buffer&) = delete;
   Int64Buffer& operator=(const Int64Buffer&) = delete;
 
@@ -105,6 +109,20 @@ bool op_flag(PyObject* op, const char* name) {
   Py_DECREF(value);
   if (truth < 0) throw PythonError{};
   return truth;
+}
+
+// An Op's int attribute (`stack_from`, `fixed`), 0 when it is None or the op has none.
+i64 op_int(PyObject* op, const char* name) {
+  PyObject* value = PyObject_GetAttrString(op, name);
+  if (!value) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw PythonError{};
+    PyErr_Clear();
+    return 0;
+  }
+  const i64 number = value == Py_None ? 0 : PyLong_AsLongLong(value);
+  Py_DECREF(value);
+  if (number == -1 && PyErr_Occurred()) throw PythonError{};
+  return number;
 }
 
 class OpTable {
@@ -133,6 +151,28 @@ class OpTable {
   PyObject* ops_;
   std::unordered_map<PyObject*, flybatch::OpFlags> seen_;
 };
+
+// What the stages need to know of an op code's op (a row of ops.py's op table), read from the
+// op once per process: ops are frozen module constants that the store holds for good.
+struct OpTraits {
+  flybatch::OpFlags flags;          // scheduling
+  flybatch::ArgumentLayout layout;  // read planning
+};
+
+OpTraits op_traits(std::int32_t code) {
+  static std::vector<OpTraits> known;
+  while (known.size() <= static_cast<std::size_t>(code)) {
+    PyObject* op = flybatch::op_object(static_cast<std::int32_t>(known.size()));
+    OpTraits traits;
+    traits.flags = {op_flag(op, "leaf"), op_flag(op, "cheap")};
+    traits.layout.leaf = traits.flags.leaf;
+    traits.layout.ragged = op_flag(op, "ragged");
+    traits.layout.fixed = op_int(op, "fixed");  // ops.RaggedOp's; plain ops have none
+    traits.layout.stack_from = op_int(op, "stack_from");
+    known.push_back(traits);
+  }
+  return known[code];
+}
 
 // A count of nodes that the core's 32-bit local ids can hold.
 flybatch::Local node_count(i64 begin, i64 end) {
@@ -208,16 +248,6 @@ class GraphSlice {
     return columns().batch.data();
   }
 
-  // This slice's inputs as a CSR array of its own (offsets from its first input), for the
-  // executor.
-  void copy_inputs(PyObject* arg_ptr_out, PyObject* arg_flat_out) const {
-    const i64 first = nodes.arg_ptr[0], count = nodes.arg_ptr[nodes.n] - first;
-    Int64Buffer ptr(arg_ptr_out, "arg_ptr_out", nodes.n + 1);
-    Int64Buffer flat(arg_flat_out, "arg_flat_out", count);
-    for (i64 v = 0; v <= nodes.n; ++v) ptr.data()[v] = nodes.arg_ptr[v] - first;
-    if (count) std::memcpy(flat.data(), nodes.arg_flat + first, count * sizeof(i64));
-  }
-
   flybatch::Nodes nodes;
 
  private:
@@ -276,33 +306,29 @@ flybatch::Strategy strategy_of(const std::string& name) {
 }
 
 const char kScheduleDoc[] =
-    "schedule(strategy, graph, start, end, first_batch, arg_ptr_out, arg_flat_out, order_out,\n"
-    "         ends_out) -> int\n\n"
+    "schedule(strategy, graph, start, end, first_batch, order_out, ends_out) -> int\n\n"
     "Batch the graph's nodes start..end-1 ('none', 'depth', 'agenda' or 'auto'), reading its\n"
     "columns in place. first_batch: the graph's batch count so far (its batch_sizes column).\n"
     "Writes each node's (batch, row) into the graph's node_batch/node_row columns (grown to\n"
-    "end first: grow_positions), appends each new batch's size to batch_sizes, this forward's\n"
-    "inputs as a CSR array (arg_ptr_out, relative to arg_flat_out) and the node ids of the\n"
-    "batches, in batch and row order, into order_out, with the end of each batch in ends_out.\n"
+    "end first: grow_positions), appends each new batch's size to batch_sizes, and writes the\n"
+    "node ids of the batches, in batch and row order, into order_out, with the end of each\n"
+    "batch in ends_out.\n"
     "Returns the number of batches.";
 
 PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"strategy",     "graph",        "start",     "end",
-                                "first_batch",  "arg_ptr_out",  "arg_flat_out", "order_out",
-                                "ends_out",     nullptr};
+  static const char* names[] = {"strategy",    "graph",     "start",    "end",
+                                "first_batch", "order_out", "ends_out", nullptr};
   const char* strategy_name;
   long long start, end, first_batch;
-  PyObject *graph, *arg_ptr_out, *arg_flat_out, *order_out, *ends_out;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOLLLOOOO:schedule", const_cast<char**>(names),
+  PyObject *graph, *order_out, *ends_out;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOLLLOO:schedule", const_cast<char**>(names),
                                    &strategy_name, &graph, &start, &end, &first_batch,
-                                   &arg_ptr_out, &arg_flat_out, &order_out, &ends_out))
+                                   &order_out, &ends_out))
     return nullptr;
   return guarded([&]() -> PyObject* {
     const flybatch::Strategy strategy = strategy_of(strategy_name);
     const GraphSlice store(graph, start, end, /*with_depth=*/true);
     const flybatch::Nodes& nodes = store.nodes;
-    // This forward's inputs go into the arrays the executor reads them from.
-    store.copy_inputs(arg_ptr_out, arg_flat_out);
     flybatch::Columns& columns = store.columns();
     if (first_batch != columns.batch_size.size())
       fail(PyExc_ValueError, "first_batch is " + std::to_string(first_batch) + " but the graph "
@@ -429,7 +455,147 @@ PyObject* py_signature_ranks(PyObject*, PyObject* args, PyObject* kwargs) {
   });
 }
 
+// ---- the execution stage -----------------------------------------------------------------------
+
+// A new reference, or the Python error unwinds.
+PyObject* checked(PyObject* object) {
+  if (!object) throw PythonError{};
+  return object;
+}
+
+// Owns a new reference until released into a container that steals it.
+class Owned {
+ public:
+  explicit Owned(PyObject* object) : object_(checked(object)) {}
+  ~Owned() { Py_XDECREF(object_); }
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+  PyObject* get() const { return object_; }
+  PyObject* release() { return std::exchange(object_, nullptr); }
+
+ private:
+  PyObject* object_;
+};
+
+PyObject* int_tuple(const i64* items, std::size_t n) {
+  Owned tuple(PyTuple_New(static_cast<Py_ssize_t>(n)));
+  for (std::size_t i = 0; i < n; ++i)
+    PyTuple_SET_ITEM(tuple.get(), i, checked(PyLong_FromLongLong(items[i])));
+  return tuple.release();
+}
+
+PyObject* int_tuple(const std::vector<i64>& items) { return int_tuple(items.data(), items.size()); }
+
+// The interned names of the read kinds (execution.py compares them).
+PyObject* kind_name(flybatch::ReadKind kind) {
+  static PyObject* names[3] = {PyUnicode_InternFromString("view"),
+                               PyUnicode_InternFromString("rows"),
+                               PyUnicode_InternFromString("multi")};
+  PyObject* name = names[static_cast<int>(kind)];
+  if (!name) throw PythonError{};
+  return Py_NewRef(name);
+}
+
+PyObject* read_tuple(const flybatch::Read& r, const flybatch::ReadPlan& plan) {
+  if (r.kind != flybatch::ReadKind::multi)
+    return checked(Py_BuildValue("(NLLL)", kind_name(r.kind), r.source, r.start, r.length));
+  Owned parts(int_tuple(plan.parts.data() + r.start, static_cast<std::size_t>(r.length)));
+  Owned inverse(r.inverse < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r.inverse));
+  return checked(Py_BuildValue("(NOOL)", kind_name(r.kind), parts.get(), inverse.get(), r.rows));
+}
+
+// (reads, batch_reads, fan_outs, indices): the ReadPlan as Python data (see kPlanReadsDoc).
+PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
+  Owned reads(PyList_New(static_cast<Py_ssize_t>(plan.reads.size())));
+  for (std::size_t k = 0; k < plan.reads.size(); ++k)
+    PyList_SET_ITEM(reads.get(), k, read_tuple(plan.reads[k], plan));
+  Owned batches(PyList_New(static_cast<Py_ssize_t>(plan.batches.size())));
+  for (std::size_t b = 0; b < plan.batches.size(); ++b) {
+    const flybatch::BatchReads& batch = plan.batches[b];
+    Owned args(int_tuple(plan.args.data() + batch.begin,
+                         static_cast<std::size_t>(batch.end - batch.begin)));
+    Owned arities(batch.arities < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(batch.arities));
+    PyList_SET_ITEM(batches.get(), b,
+                    checked(Py_BuildValue("(OLO)", args.get(), batch.stacked, arities.get())));
+  }
+  Owned fan_outs(PyDict_New());
+  for (const flybatch::FanOut& fan : plan.fan_outs) {
+    Owned source(PyLong_FromLongLong(fan.source));
+    Owned reads_of(int_tuple(fan.reads)), at(int_tuple(fan.at)), sizes(int_tuple(fan.sizes));
+    Owned value(Py_BuildValue("(OOOO)", fan.split ? Py_True : Py_False, reads_of.get(), at.get(),
+                              sizes.get()));
+    if (PyDict_SetItem(fan_outs.get(), source.get(), value.get()) < 0) throw PythonError{};
+  }
+  Owned indices(PyByteArray_FromStringAndSize(
+      reinterpret_cast<const char*>(plan.indices.data()),
+      static_cast<Py_ssize_t>(plan.indices.size() * sizeof(i64))));
+  return checked(
+      PyTuple_Pack(4, reads.get(), batches.get(), fan_outs.get(), indices.get()));
+}
+
+const char kPlanReadsDoc[] =
+    "plan_reads(graph, first_batch, order, ends) -> (reads, batch_reads, fan_outs, indices)\n\n"
+    "How each batch of a scheduled forward reads its arguments (csrc/execute.h). order, ends:\n"
+    "the forward's node ids batch after batch and where each batch ends (int64 arrays);\n"
+    "first_batch: the global index of its first batch. The graph's columns (inputs, node_batch,\n"
+    "node_row, batch_sizes) are read in place. Returns\n"
+    "  reads: per read, ('view', source, start, length) | ('rows', source, at, length) |\n"
+    "         ('multi', part read ids, inverse at or None, rows);\n"
+    "  batch_reads: per batch, (read ids of its arguments, stacked arity or 0, arities at or\n"
+    "         None for a ragged op);\n"
+    "  fan_outs: source -> (split, read ids, at, sizes): split into pieces of `sizes`, read k\n"
+    "         getting piece at[k]; else one gather, read k's rows at at[k];\n"
+    "  indices: the int64 row numbers, permutations and arities that an `at` points into.";
+
+PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"graph", "first_batch", "order", "ends", nullptr};
+  PyObject *graph, *order_in, *ends_in;
+  long long first_batch;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLOO:plan_reads", const_cast<char**>(names),
+                                   &graph, &first_batch, &order_in, &ends_in))
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    if (!PyObject_TypeCheck(graph, &flybatch::StoreType))
+      fail(PyExc_TypeError, "graph must be a flybatch Graph (a _core.Store)");
+    const flybatch::Store* store = reinterpret_cast<flybatch::Store*>(graph);
+    const flybatch::Columns& c = *store->nodes;
+    const Int64Buffer order(order_in, "order", 0, /*read_only=*/true);
+    const Int64Buffer ends(ends_in, "ends", 0, /*read_only=*/true);
+    flybatch::ScheduledForward forward;
+    forward.first_batch = first_batch;
+    forward.order = order.data();
+    forward.ends = ends.data();
+    forward.batches = ends.size();
+    // The planner trusts these: each batch a non-empty run of placed nodes of this graph.
+    const i64 placed = std::min<i64>(c.batch.size(), flybatch::n_nodes(store));
+    i64 previous = 0;
+    for (i64 b = 0; b < forward.batches; ++b) {
+      if (ends.data()[b] <= previous || ends.data()[b] > order.size())
+        fail(PyExc_ValueError, "ends must ascend strictly within order");
+      previous = ends.data()[b];
+    }
+    for (i64 i = 0; i < previous; ++i)
+      if (order.data()[i] < 0 || order.data()[i] >= placed)
+        fail(PyExc_ValueError, "order holds node " + std::to_string(order.data()[i]) +
+                                   ", which the graph has not placed");
+    if (first_batch < 0 || first_batch + forward.batches > c.batch_size.size())
+      fail(PyExc_ValueError, "batches " + std::to_string(first_batch) + ".." +
+                                 std::to_string(first_batch + forward.batches - 1) +
+                                 " are not all in the graph's batch_sizes");
+    forward.arg_ptr = c.arg_ptr.data();
+    forward.arg_flat = c.arg_flat.data();
+    forward.node_batch = c.batch.data();
+    forward.node_row = c.row.data();
+    forward.batch_size = c.batch_size.data();
+    const flybatch::ReadPlan plan = flybatch::plan_reads(
+        forward, [&](i64 node) { return op_traits(c.op[node]).layout; });
+    return plan_to_python(plan);
+  });
+}
+
 PyMethodDef kMethods[] = {
+    {"plan_reads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_plan_reads)),
+     METH_VARARGS | METH_KEYWORDS, kPlanReadsDoc},
     {"schedule", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_schedule)),
      METH_VARARGS | METH_KEYWORDS, kScheduleDoc},
     {"lower_bound", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_lower_bound)),

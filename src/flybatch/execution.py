@@ -12,45 +12,53 @@ cost trap: every partial read of a result makes autograd build a zero tensor the
 whole result in backward. So a result read in pieces by several later batches is *fanned out*
 once, right after it is computed: `torch.split` into its runs when the reads are disjoint runs,
 else one `_FanOut` whose backward fills a single zero tensor and adds every piece's gradient in.
+
+The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
+(csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
+module runs it with torch.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from . import signatures
+from . import _core, signatures
 from .errors import ExecutionError
-from .scheduling import Schedule, csr_rows
+from .scheduling import Schedule
 
 if TYPE_CHECKING:
     from .graph import Graph
 
-# A read: ("view", source, start, length) | ("rows", source, rows) | ("multi", part_reads, order)
+# A read, as `_core.plan_reads` plans it (csrc/execute.h says more):
+#   ("view", source, start, length): rows start..start+length-1 of values[source], no copy;
+#   ("rows", source, at, length): the rows numbered indices[at:at+length] of values[source];
+#   ("multi", part read ids, inverse at or None, rows): the parts concatenated, then put in
+#   the nodes' order by the permutation indices[inverse:inverse+rows] when one is needed.
 Read = tuple
 
 
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
-    reads, batch_reads = _plan_with_fixed(graph, plan)
-    fanned = _plan_fan_outs(graph, plan, reads)
+    reads, batch_reads, fan_outs, index_bytes = _core.plan_reads(
+        graph=graph, first_batch=plan.first_batch, order=plan.order, ends=plan.ends)
+    indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
-    for source in [s for s in fanned if s < plan.first_batch]:
-        _fan_out(graph, source, fanned[source], reads, pieces)
+    for source in [s for s in fan_outs if s < plan.first_batch]:
+        _fan_out(graph, source, fan_outs[source], reads, indices, pieces)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
-    for nodes, (arg_reads, stacked) in zip(plan.batches, batch_reads):
+    for nodes, (arg_reads, stacked, arities) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
         op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
             size = len(nodes)
-            xs = [_resolve(graph, r, reads, pieces) for r in arg_reads]
-            if op.ragged:
-                attr = stacked  # each node's number of list items
+            xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
+            if op.ragged:  # each node's number of list items
+                attr = indices.numpy[arities:arities + size]
             else:
                 if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
                     arg_shape = shape_of(graph.args_of(first)[0])
@@ -71,8 +79,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
             values.append(out)
             graph.launches.append((graph.sig_of(first), size))
         source = len(values) - 1
-        if source in fanned:
-            _fan_out(graph, source, fanned[source], reads, pieces)
+        if source in fan_outs:
+            _fan_out(graph, source, fan_outs[source], reads, indices, pieces)
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -113,147 +121,6 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
         raise ExecutionError(message) from error
 
 
-# ---- planning ----------------------------------------------------------------------------------
-def _plan_with_fixed(graph: "Graph", plan: Schedule
-                     ) -> tuple[list[Read], list[tuple[list[int], int | np.ndarray]]]:
-    """`_plan_reads`, and the reads of ragged ops whose first `fixed` arguments are not part of
-    the list (`ops.RaggedOp`: a child-sum cell's input and parameters): those are read one
-    column each, as a plain op's, then the lists of all nodes as one flat argument (none when
-    every list of the batch is empty); the arities are the lists' lengths."""
-    fixed = [getattr(graph.op_of(nodes[0]), "fixed", 0) for nodes in plan.batches]
-    if not any(fixed):
-        return _plan_reads(graph, plan)
-    others = [nodes for nodes, k in zip(plan.batches, fixed) if not k]
-    reads, planned = _plan_reads(graph, Schedule(plan.start, plan.first_batch, others,
-                                                 plan.arg_ptr, plan.arg_flat))
-    planned = iter(planned)
-    batch_reads = []
-    for nodes, k in zip(plan.batches, fixed):
-        if not k:
-            batch_reads.append(next(planned))
-            continue
-        local = nodes - plan.start
-        begin = plan.arg_ptr[local]
-        lengths = plan.arg_ptr[local + 1] - begin - k
-        columns = list(plan.arg_flat[begin[:, None] + np.arange(k)].T)
-        if lengths.any():  # item j of node i's list is argument k + j
-            starts = np.repeat(begin + k - np.cumsum(lengths) + lengths, lengths)
-            columns.append(plan.arg_flat[starts + np.arange(int(lengths.sum()))])
-        batch_reads.append((_classify(graph, columns, reads), lengths))
-    return reads, batch_reads
-
-
-def _plan_reads(graph: "Graph", plan: Schedule
-                ) -> tuple[list[Read], list[tuple[list[int], int | np.ndarray]]]:
-    """Every read of every batch, as data: `reads[k]`, and per batch the read ids of its
-    arguments with, for a variadic op read as one stacked tensor, its arity (else 0; for a
-    ragged op, the array of each node's arity).
-
-    The columns (one per argument position of each batch) are classified together, with one
-    numpy pass over all of them, because a forward may hold thousands of small batches.
-    """
-    columns: list[np.ndarray] = []
-    shape_of_batch: list[tuple[int, int | np.ndarray]] = []  # (columns, stacked arity or arities)
-    for nodes in plan.batches:
-        op = graph.op_of(nodes[0])
-        local = nodes - plan.start
-        arity = int(plan.arg_ptr[local[0] + 1] - plan.arg_ptr[local[0]])
-        if op.leaf or arity == 0:
-            shape_of_batch.append((0, 0))
-            continue
-        if op.ragged:  # every argument of every node, flat, and each node's arity
-            columns.append(plan.arg_flat[csr_rows(plan.arg_ptr, local)])
-            shape_of_batch.append((1, plan.arg_ptr[local + 1] - plan.arg_ptr[local]))
-            continue
-        cols = plan.arg_flat[plan.arg_ptr[local][:, None] + np.arange(arity)]
-        if op.stack_from is not None and arity >= op.stack_from:
-            columns.append(cols.reshape(-1))
-            shape_of_batch.append((1, arity))
-        else:
-            columns.extend(cols.T)
-            shape_of_batch.append((arity, 0))
-    reads: list[Read] = []
-    planned = iter(_classify(graph, columns, reads))
-    batch_reads = [([next(planned) for _ in range(k)], stacked) for k, stacked in shape_of_batch]
-    return reads, batch_reads
-
-
-def _classify(graph: "Graph", columns: list[np.ndarray], reads: list[Read]) -> list[int]:
-    """Plan every column's read; the common kinds are decided for all columns at once."""
-    if not columns:
-        return []
-    lengths = np.fromiter(map(len, columns), np.int64, len(columns))
-    starts = np.zeros(len(columns), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    ids = np.concatenate(columns)
-    src, rows = graph.node_batch[ids], graph.node_row[ids]
-    same_id = np.minimum.reduceat(ids, starts) == np.maximum.reduceat(ids, starts)
-    same_src = np.minimum.reduceat(src, starts) == np.maximum.reduceat(src, starts)
-    step_ok = np.empty(len(rows), bool)  # not np.r_, which costs ~30 us per forward
-    np.equal(np.diff(rows), 1, out=step_ok[:-1])
-    step_ok[-1] = True
-    step_ok[starts[1:] - 1] = True  # a column's last row has no successor inside the column
-    in_run = np.logical_and.reduceat(step_ok, starts)
-    out = []
-    for k, (n, start, one, single, run) in enumerate(zip(
-            lengths.tolist(), starts.tolist(), same_id.tolist(), same_src.tolist(),
-            in_run.tolist())):
-        if n == 1 or one:
-            reads.append(("view", int(src[start]), int(rows[start]), 1))
-        elif single and run:
-            reads.append(("view", int(src[start]), int(rows[start]), n))
-        elif single:
-            reads.append(("rows", int(src[start]), rows[start:start + n]))
-        else:  # several sources: planned part by part
-            out.append(_plan_read(graph, columns[k], reads))
-            continue
-        out.append(len(reads) - 1)
-    return out
-
-
-def _plan_read(graph: "Graph", ids: np.ndarray, reads: list[Read], broadcast: bool = True) -> int:
-    """Plan the read of `ids`; with `broadcast`, one row may stand for a batch of one node."""
-    src = graph.node_batch[ids]
-    rows = graph.node_row[ids]
-    first_src, first_row = int(src[0]), int(rows[0])
-    size = len(ids)
-    if size == 1 or broadcast and (ids == ids[0]).all():
-        reads.append(("view", first_src, first_row, 1))
-    elif (src == first_src).all():
-        if rows[-1] - first_row == size - 1 and (np.diff(rows) == 1).all():
-            reads.append(("view", first_src, first_row, size))
-        else:
-            reads.append(("rows", first_src, rows))
-    else:
-        order = np.argsort(src, kind="stable")
-        sorted_src = src[order]
-        cuts = np.flatnonzero(sorted_src[1:] != sorted_src[:-1]) + 1
-        parts = [_plan_read(graph, ids[part], reads, broadcast=False)
-                 for part in np.split(order, cuts)]
-        in_order = bool((order == np.arange(size)).all())
-        inverse = None
-        if not in_order:
-            inverse = np.empty(size, np.int64)
-            inverse[order] = np.arange(size)
-        reads.append(("multi", parts, inverse))
-    return len(reads) - 1
-
-
-def _plan_fan_outs(graph: "Graph", plan: Schedule, reads: list[Read]) -> dict[int, list[int]]:
-    """Sources read in pieces (not whole) by two or more reads -> the ids of those reads."""
-    def rows_of(source: int) -> int:
-        if source >= plan.first_batch:  # computed by this forward: not a tensor yet
-            return len(plan.batches[source - plan.first_batch])
-        return graph.values[source].shape[0]
-
-    by_source: dict[int, list[int]] = defaultdict(list)
-    for k, read in enumerate(reads):
-        kind, source = read[0], read[1]
-        if kind == "rows" or kind == "view" and not (read[2] == 0 and read[3] == rows_of(source)):
-            by_source[source].append(k)
-    return {s: ks for s, ks in by_source.items() if len(ks) >= 2}
-
-
 # ---- running reads -----------------------------------------------------------------------------
 class _FanOut(torch.autograd.Function):
     """Several `index_select`s of one tensor whose backward fills ONE zero tensor."""
@@ -277,59 +144,62 @@ class _FanOut(torch.autograd.Function):
         return (grad,) + (None,) * len(grads)
 
 
-def _fan_out(graph: "Graph", source: int, read_ids: list[int], reads: list[Read],
+class _Indices:
+    """The row numbers, permutations and arities of a plan: one int64 buffer, as numpy and as
+    one torch tensor per device that reads it, sliced (no copy) per read."""
+
+    def __init__(self, buffer: bytearray):
+        self.numpy = np.frombuffer(buffer, np.int64)
+        self._tensors: dict[torch.device, torch.Tensor] = {}
+
+    def rows(self, at: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        tensor = self._tensors.get(like.device)
+        if tensor is None:
+            tensor = self._tensors[like.device] = torch.from_numpy(self.numpy).to(like.device)
+        return tensor[at:at + length]
+
+
+def _fan_out(graph: "Graph", source: int, fan_out: tuple, reads: list[Read], indices: _Indices,
              pieces: dict[int, torch.Tensor]) -> None:
     tensor = graph.values[source]
     if not tensor.requires_grad:
         return  # no backward to protect: the reads run as plain views and selects
-    spans = [reads[k][2:4] if reads[k][0] == "view" else None for k in read_ids]
-    if None not in spans:
-        # Disjoint runs: split into views; backward concatenates (one allocation).
-        ordered = sorted(set(spans))
-        ends = [a + n for a, n in ordered]
-        if all(end <= nxt for end, (nxt, _) in zip(ends, ordered[1:])):
-            sizes, at, span_piece = [], 0, {}
-            for start, n in ordered:
-                if start > at:
-                    sizes.append(start - at)
-                span_piece[(start, n)] = len(sizes)
-                sizes.append(n)
-                at = start + n
-            if at < tensor.shape[0]:
-                sizes.append(tensor.shape[0] - at)
-            split = torch.split(tensor, sizes)
-            for k, span in zip(read_ids, spans):
-                pieces[k] = split[span_piece[span]]
-            graph.gathers_avoided += len(read_ids)
-            return
-    indices = []
-    for k in read_ids:
-        read = reads[k]
-        rows = (np.arange(read[2], read[2] + read[3]) if read[0] == "view" else read[2])
-        indices.append(_index(rows, tensor))
-    for k, piece in zip(read_ids, _FanOut.apply(tensor, *indices)):
+    split, read_ids, at, sizes = fan_out
+    if split:  # disjoint runs: views; backward concatenates (one allocation)
+        parts = torch.split(tensor, sizes)
+        for k, piece in zip(read_ids, at):
+            pieces[k] = parts[piece]
+        graph.gathers_avoided += len(read_ids)
+        return
+    # A view or rows read ends with its number of rows.
+    rows = [indices.rows(a, reads[k][3], tensor) for k, a in zip(read_ids, at)]
+    for k, piece in zip(read_ids, _FanOut.apply(tensor, *rows)):
         pieces[k] = piece
     graph.gathers += len(read_ids)
 
 
-def _resolve(graph: "Graph", k: int, reads: list[Read], pieces: dict[int, torch.Tensor]
-             ) -> torch.Tensor:
+def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
+             pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     piece = pieces.pop(k, None)
     if piece is not None:
         return piece
     read = reads[k]
     kind = read[0]
     if kind == "view":
+        _, source, start, length = read
         graph.gathers_avoided += 1
-        return _rows(graph.values[read[1]], read[2], read[3])
+        return _rows(graph.values[source], start, length)
     if kind == "rows":
+        _, source, at, length = read
         graph.gathers += 1
-        source = graph.values[read[1]]
-        return source.index_select(0, _index(read[2], source))
+        tensor = graph.values[source]
+        return tensor.index_select(0, indices.rows(at, length, tensor))
+    _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, pieces) for p in read[1]])
-    inverse = read[2]
-    return stacked if inverse is None else stacked.index_select(0, _index(inverse, stacked))
+    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces) for p in parts])
+    if inverse is None:
+        return stacked
+    return stacked.index_select(0, indices.rows(inverse, rows, stacked))
 
 
 def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -337,7 +207,3 @@ def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:
     if start == 0 and length == source.shape[0]:
         return source
     return source.narrow(0, start, length)
-
-
-def _index(rows: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)

@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Schedule:
-    """The batches of one forward, with the argument arrays the executor reads them through."""
+    """The batches of one forward: node ids in row order, as one array and a view per batch."""
 
     start: int                 # first pending node id
     first_batch: int           # global index of batches[0] in graph.values
-    batches: list[np.ndarray]  # node ids of each batch, in row order
-    arg_ptr: np.ndarray        # args of pending node v: arg_flat[arg_ptr[v-start]:arg_ptr[v-start+1]]
-    arg_flat: np.ndarray
+    order: np.ndarray          # node ids of all batches, batch after batch
+    ends: np.ndarray           # end of each batch in `order`
+    batches: list[np.ndarray]  # node ids of each batch, in row order (views of `order`)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -67,20 +67,11 @@ class Schedule:
 def schedule(graph: "Graph", start: int, end: int) -> Schedule:
     """Batch the nodes `start..end-1` of `graph` with the graph's strategy."""
     n = end - start
-    arg_ptr = graph.view("arg_ptr")
-    plan = Schedule(start, len(graph.values), [], np.empty(n + 1, np.int64),
-                    np.empty(arg_ptr[end] - arg_ptr[start], np.int64))
+    first_batch = len(graph.values)
     order, ends = np.empty(n, np.int64), np.empty(n, np.int64)
-    count = _core.schedule(
-        strategy=graph.strategy, graph=graph, start=start, end=end, first_batch=plan.first_batch,
-        arg_ptr_out=plan.arg_ptr, arg_flat_out=plan.arg_flat, order_out=order, ends_out=ends)
-    bounds = ends[:count].tolist()
-    plan.batches = [order[a:b] for a, b in zip([0, *bounds], bounds)]
-    return plan
-
-
-def csr_rows(ptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Indices of the entries of `rows` in a CSR layout (`ptr`), concatenated in order."""
-    begin = ptr[rows]
-    counts = ptr[rows + 1] - begin
-    return np.repeat(begin - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+    count = _core.schedule(strategy=graph.strategy, graph=graph, start=start, end=end,
+                           first_batch=first_batch, order_out=order, ends_out=ends)
+    ends = ends[:count]
+    bounds = ends.tolist()
+    return Schedule(start, first_batch, order, ends,
+                    [order[a:b] for a, b in zip([0, *bounds], bounds)])

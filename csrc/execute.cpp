@@ -1,0 +1,214 @@
+// The read planner of the execution stage (see execute.h): linear in the forward's argument
+// slots, plus a sort by result for the slots that read several results.
+#include "execute.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace flybatch {
+namespace {
+
+class Planner {
+ public:
+  Planner(const ScheduledForward& forward, ReadPlan& plan) : f_(forward), plan_(plan) {}
+
+  // The read of the nodes ids[0..n) (one per row); returns its id. With `broadcast`, a column
+  // of one node read by every row is one row the kernel broadcasts; the parts of a multi read
+  // are not (their rows are concatenated).
+  i64 read(const i64* ids, std::size_t n, bool broadcast) {
+    const i64 first = ids[0];
+    const i64 source = where(first);
+    const bool one_node = std::all_of(ids + 1, ids + n, [&](i64 v) { return v == first; });
+    if (n == 1 || (broadcast && one_node)) return add({ReadKind::view, source, f_.node_row[first], 1});
+    const bool one_source =
+        std::all_of(ids + 1, ids + n, [&](i64 v) { return where(v) == source; });
+    if (!one_source) return multi(ids, n);
+    bool in_run = true;  // consecutive rows, in order: a view
+    for (std::size_t i = 1; i < n && in_run; ++i)
+      in_run = f_.node_row[ids[i]] == f_.node_row[ids[i - 1]] + 1;
+    if (in_run) return add({ReadKind::view, source, f_.node_row[first], static_cast<i64>(n)});
+    const i64 at = static_cast<i64>(plan_.indices.size());
+    for (std::size_t i = 0; i < n; ++i) plan_.indices.push_back(f_.node_row[ids[i]]);
+    return add({ReadKind::rows, source, at, static_cast<i64>(n)});
+  }
+
+ private:
+  // The batch of a node this forward reads; an unplaced one means the caller broke the
+  // schedule (its inputs must be computed by it or before).
+  i64 where(i64 node) const {
+    const i64 batch = f_.node_batch[node];
+    if (batch < 0)
+      throw std::invalid_argument("node " + std::to_string(node) +
+                                  " is read by the forward but has no place in any batch");
+    return batch;
+  }
+
+  i64 add(Read read) {
+    plan_.reads.push_back(read);
+    return static_cast<i64>(plan_.reads.size()) - 1;
+  }
+
+  // Rows of several results: one part per result, in ascending result order (each part keeps
+  // its nodes' order), concatenated; then the permutation back to the nodes' order.
+  i64 multi(const i64* ids, std::size_t n) {
+    std::vector<std::size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return where(ids[a]) < where(ids[b]); });
+    std::vector<i64> part_reads, part_ids;
+    for (std::size_t i = 0; i < n;) {
+      const i64 source = where(ids[order[i]]);
+      part_ids.clear();
+      for (; i < n && where(ids[order[i]]) == source; ++i) part_ids.push_back(ids[order[i]]);
+      part_reads.push_back(read(part_ids.data(), part_ids.size(), /*broadcast=*/false));
+    }
+    Read out{ReadKind::multi};
+    out.start = static_cast<i64>(plan_.parts.size());
+    out.length = static_cast<i64>(part_reads.size());
+    out.rows = static_cast<i64>(n);
+    plan_.parts.insert(plan_.parts.end(), part_reads.begin(), part_reads.end());
+    bool in_order = true;
+    for (std::size_t i = 0; i < n && in_order; ++i) in_order = order[i] == i;
+    if (!in_order) {
+      out.inverse = static_cast<i64>(plan_.indices.size());
+      plan_.indices.resize(plan_.indices.size() + n);
+      for (std::size_t i = 0; i < n; ++i) plan_.indices[out.inverse + order[i]] = i;
+    }
+    return add(out);
+  }
+
+  const ScheduledForward& f_;
+  ReadPlan& plan_;
+};
+
+// Rows of the result of batch `source`.
+i64 rows_of(const ScheduledForward& f, i64 source) { return f.batch_size[source]; }
+
+// Whether `read` takes only part of its result (a multi read takes parts through its parts).
+bool partial(const ScheduledForward& f, const Read& read) {
+  if (read.kind == ReadKind::rows) return true;
+  return read.kind == ReadKind::view &&
+         !(read.start == 0 && read.length == rows_of(f, read.source));
+}
+
+// Split into disjoint runs when every read is a view and no two distinct views overlap;
+// else one gather of each read's rows.
+void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
+  std::vector<std::pair<i64, i64>> spans;  // (first row, rows) of each distinct view
+  bool views = true;
+  for (i64 k : fan.reads) {
+    const Read& r = plan.reads[k];
+    views = views && r.kind == ReadKind::view;
+    if (views) spans.emplace_back(r.start, r.length);
+  }
+  if (views) {
+    std::sort(spans.begin(), spans.end());
+    spans.erase(std::unique(spans.begin(), spans.end()), spans.end());
+    bool disjoint = true;
+    for (std::size_t i = 1; i < spans.size() && disjoint; ++i)
+      disjoint = spans[i - 1].first + spans[i - 1].second <= spans[i].first;
+    if (disjoint) {
+      fan.split = true;
+      std::vector<i64> piece_of_span;
+      i64 at = 0;
+      for (const auto& [start, length] : spans) {
+        if (start > at) fan.sizes.push_back(start - at);  // rows nobody reads here
+        piece_of_span.push_back(static_cast<i64>(fan.sizes.size()));
+        fan.sizes.push_back(length);
+        at = start + length;
+      }
+      if (at < rows_of(f, fan.source)) fan.sizes.push_back(rows_of(f, fan.source) - at);
+      for (i64 k : fan.reads) {
+        const Read& r = plan.reads[k];
+        const auto span = std::lower_bound(spans.begin(), spans.end(),
+                                           std::make_pair(r.start, r.length));
+        fan.at.push_back(piece_of_span[span - spans.begin()]);
+      }
+      return;
+    }
+  }
+  for (i64 k : fan.reads) {
+    const Read& r = plan.reads[k];
+    if (r.kind == ReadKind::rows) {
+      fan.at.push_back(r.start);
+      continue;
+    }
+    fan.at.push_back(static_cast<i64>(plan.indices.size()));
+    for (i64 row = r.start; row < r.start + r.length; ++row) plan.indices.push_back(row);
+  }
+}
+
+}  // namespace
+
+ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
+  ReadPlan plan;
+  Planner planner(f, plan);
+  std::vector<i64> column;
+  for (i64 b = 0; b < f.batches; ++b) {
+    const i64* nodes = f.order + (b ? f.ends[b - 1] : 0);
+    const std::size_t size = static_cast<std::size_t>(f.ends[b] - (b ? f.ends[b - 1] : 0));
+    BatchReads batch;
+    batch.begin = batch.end = static_cast<i64>(plan.args.size());
+    const ArgumentLayout layout = layout_of(nodes[0]);
+    const i64 arity = f.arg_ptr[nodes[0] + 1] - f.arg_ptr[nodes[0]];
+    auto args_of = [&](std::size_t row) { return f.arg_flat + f.arg_ptr[nodes[row]]; };
+    // One read per argument position j < positions.
+    auto read_positions = [&](i64 positions) {
+      column.resize(size);
+      for (i64 j = 0; j < positions; ++j) {
+        for (std::size_t row = 0; row < size; ++row) column[row] = args_of(row)[j];
+        plan.args.push_back(planner.read(column.data(), size, /*broadcast=*/true));
+      }
+    };
+    if (layout.leaf) {
+      // nothing to read
+    } else if (layout.ragged) {
+      // Its first `fixed` arguments one read each; then ONE read of the items of every node's
+      // list after them, node after node (none when every list is empty), and the lists'
+      // lengths.
+      read_positions(layout.fixed);
+      column.clear();
+      batch.arities = static_cast<i64>(plan.indices.size());
+      for (std::size_t row = 0; row < size; ++row) {
+        const i64* list = args_of(row) + layout.fixed;
+        const i64 items = f.arg_flat + f.arg_ptr[nodes[row] + 1] - list;
+        column.insert(column.end(), list, list + items);
+        plan.indices.push_back(items);
+      }
+      if (!column.empty())
+        plan.args.push_back(planner.read(column.data(), column.size(), /*broadcast=*/true));
+    } else if (layout.stack_from && arity >= layout.stack_from) {
+      // ONE read of every argument of every node, node after node.
+      column.clear();
+      for (std::size_t row = 0; row < size; ++row)
+        column.insert(column.end(), args_of(row), args_of(row) + arity);
+      batch.stacked = arity;
+      plan.args.push_back(planner.read(column.data(), column.size(), /*broadcast=*/true));
+    } else {
+      read_positions(arity);
+    }
+    batch.end = static_cast<i64>(plan.args.size());
+    plan.batches.push_back(batch);
+  }
+  // Results read in pieces by two or more reads, fanned out once each.
+  std::unordered_map<i64, std::size_t> fan_of_source;
+  std::vector<FanOut> candidates;
+  for (i64 k = 0; k < static_cast<i64>(plan.reads.size()); ++k) {
+    const Read& r = plan.reads[k];
+    if (!partial(f, r)) continue;
+    const auto [found, fresh] = fan_of_source.emplace(r.source, candidates.size());
+    if (fresh) candidates.emplace_back().source = r.source;
+    candidates[found->second].reads.push_back(k);
+  }
+  for (FanOut& fan : candidates) {
+    if (fan.reads.size() < 2) continue;
+    plan_fan_out(f, plan, fan);
+    plan.fan_outs.push_back(std::move(fan));
+  }
+  return plan;
+}
+
+}  // namespace flybatch

@@ -1,0 +1,92 @@
+// The execution stage's planning: before a forward runs, how every batch reads its arguments
+// from the results of earlier batches (the reads), and which results are read in pieces and so
+// are fanned out once. Plain C++ over arrays: module.cpp converts from Python and back, and
+// execution.py runs the plan with torch.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace flybatch {
+
+using i64 = std::int64_t;
+
+// How a node's op takes its arguments; the op table itself lives in Python.
+struct ArgumentLayout {
+  bool leaf = false;    // reads nothing: its kernel makes the values
+  bool ragged = false;  // lists of any length in one batch: ONE read of every item, flat,
+  i64 fixed = 0;        // after its first `fixed` arguments (ragged only), read one by one
+  i64 stack_from = 0;   // variadic: from this arity on, ONE read of all arguments (0: never)
+};
+using LayoutOf = std::function<ArgumentLayout(i64 node)>;  // node: a global id
+
+// One forward's schedule, and the graph columns it reads in place.
+struct ScheduledForward {
+  i64 first_batch = 0;            // global index of the forward's first batch
+  const i64* order = nullptr;     // node ids of the batches, batch after batch, in row order
+  const i64* ends = nullptr;      // end of each batch in `order`
+  i64 batches = 0;
+  const i64* arg_ptr = nullptr;   // inputs of node v: arg_flat[arg_ptr[v] .. arg_ptr[v+1])
+  const i64* arg_flat = nullptr;
+  const std::int32_t* node_batch = nullptr;  // where each node's value lives: this forward's
+  const std::int32_t* node_row = nullptr;    // nodes and every node they read
+  const std::int32_t* batch_size = nullptr;  // rows of every batch, this forward's included
+};
+
+// A read gathers one argument position of a batch (a node id per row) into ONE tensor:
+// - view: rows start .. start+length-1 of one result, a zero-copy view (the whole result when
+//   it covers it; length 1 with several nodes: all read the same node, and the kernel
+//   broadcasts the row);
+// - rows: arbitrary rows of one result (one index_select);
+// - multi: rows of several results: one read per result (its `parts`, ascending by result),
+//   concatenated, then put back in the nodes' order unless they already are.
+enum class ReadKind : std::uint8_t { view, rows, multi };
+
+struct Read {
+  ReadKind kind = ReadKind::view;
+  i64 source = 0;    // view, rows: the batch whose result is read
+  i64 start = 0;     // view: first row; rows: where its row numbers start in `indices`;
+                     // multi: where its part read ids start in `parts`
+  i64 length = 0;    // rows read; multi: parts
+  i64 inverse = -1;  // multi: where the permutation back to the nodes' order starts in
+                     // `indices` (as many entries as rows read), or -1 when none is needed
+  i64 rows = 0;      // multi: rows read
+};
+
+// A batch's arguments: read ids args[begin .. end). `stacked`: the arity k of a variadic op
+// read as one [B * k] read (0 otherwise). `arities`: for a ragged op, where the length of each
+// node's list starts in `indices` (one per node), else -1.
+struct BatchReads {
+  i64 begin = 0, end = 0;
+  i64 stacked = 0;
+  i64 arities = -1;
+};
+
+// A result read in pieces (not whole) by two or more reads. Every partial read of a tensor
+// makes autograd build a zero tensor the size of the whole result in backward; fanning the
+// result out once makes that one allocation. `split`: the pieces are disjoint runs, so the
+// result is split into views (`sizes`, covering all its rows; `at[i]`: the piece of reads[i]);
+// else one gather of each read's rows (`at[i]`: where reads[i]'s row numbers start in
+// `indices`, as many as the read has rows).
+struct FanOut {
+  i64 source = 0;
+  bool split = false;
+  std::vector<i64> reads;
+  std::vector<i64> sizes;
+  std::vector<i64> at;
+};
+
+struct ReadPlan {
+  std::vector<Read> reads;
+  std::vector<i64> parts;         // part read ids of the multi reads
+  std::vector<i64> args;          // read ids of every batch's arguments (BatchReads)
+  std::vector<BatchReads> batches;
+  std::vector<i64> indices;       // row numbers, permutations and arities the reads refer to
+  std::vector<FanOut> fan_outs;   // in the order of each source's first partial read
+};
+
+// Throws std::invalid_argument if an argument of a batch is not placed yet.
+ReadPlan plan_reads(const ScheduledForward& forward, const LayoutOf& layout_of);
+
+}  // namespace flybatch

@@ -1,0 +1,260 @@
+"""The read planner of the execution stage (csrc/execute.cpp, `_core.plan_reads`).
+
+Before a forward runs, each argument position of each batch is planned as ONE read of earlier
+results: a zero-copy view of a run of rows, arbitrary rows of one result, or one read per
+result put back in the nodes' order; results read in pieces are fanned out once. These tests
+pin the kind chosen for known schedules, and check on random graphs that every read gathers
+exactly the rows its nodes' arguments live in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flybatch as fb
+from flybatch import _core, scheduling
+
+
+class Planned:
+    """The schedule and read plan of a graph's pending nodes, as the next forward makes them."""
+
+    def __init__(self, g: fb.Graph):
+        g._grow_positions(g.n_nodes)
+        self.graph = g
+        self.schedule = scheduling.schedule(g, g.n_done, g.n_nodes)
+        self.reads, self.batch_reads, self.fan_outs, index_bytes = _core.plan_reads(
+            graph=g, first_batch=self.schedule.first_batch, order=self.schedule.order,
+            ends=self.schedule.ends)
+        self.indices = np.frombuffer(index_bytes, np.int64).tolist()
+
+    def discard(self) -> None:
+        """Forget this schedule, so that the graph's next forward can run."""
+        self.graph.unschedule(self.schedule.start, self.schedule.first_batch)
+
+    def batch_of(self, node: fb.Expression) -> int:
+        return int(self.graph.node_batch[node.id])
+
+    def read_ids_of(self, node: fb.Expression) -> tuple[int, ...]:
+        """The reads of the batch that computes `node`, one per argument position."""
+        return self.batch_reads[self.batch_of(node) - self.schedule.first_batch][0]
+
+    def reads_of(self, node: fb.Expression) -> list[tuple]:
+        return [self.reads[k] for k in self.read_ids_of(node)]
+
+    def positions(self, k: int, rows: int) -> list[tuple[int, int]]:
+        """(batch, row) of each of the `rows` rows that read `k` gathers (a view of one row
+        read by several nodes is broadcast to all of them)."""
+        read = self.reads[k]
+        if read[0] == "view":
+            _, source, start, length = read
+            if length == 1:
+                return [(source, start)] * rows
+            return [(source, start + i) for i in range(length)]
+        if read[0] == "rows":
+            _, source, at, length = read
+            return [(source, r) for r in self.indices[at:at + length]]
+        _, parts, inverse, total = read
+        stacked = [p for part in parts for p in self.positions(part, 1)]
+        if inverse is None:
+            return stacked
+        return [stacked[i] for i in self.indices[inverse:inverse + total]]
+
+
+def _inputs(k: int, width: int = 2) -> list[fb.Expression]:
+    return [fb.input(torch.full((width,), float(i))) for i in range(k)]
+
+
+# ---- the kind of each read ---------------------------------------------------------------------
+def test_a_batch_reading_a_whole_result_in_order_reads_all_of_it_as_a_view():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(3)
+        hs = [fb.tanh(x) for x in xs]
+        planned = Planned(g)
+        assert planned.reads_of(hs[0]) == [("view", planned.batch_of(xs[0]), 0, 3)]
+        assert planned.fan_outs == {}  # read whole: nothing to fan out
+
+
+def test_every_node_reading_the_same_node_reads_one_row_the_kernel_broadcasts():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(3)
+        shared = fb.tanh(fb.input(torch.ones(2)))
+        products = [x * shared for x in xs]
+        planned = Planned(g)
+        _, second = planned.reads_of(products[0])
+        assert second == ("view", planned.batch_of(shared), 0, 1)
+
+
+def test_rows_of_one_result_out_of_order_are_one_rows_read():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(3)]
+        # Rows follow the first argument, so the second reads hs in the order 2, 0, 1.
+        products = [hs[i] * hs[j] for i, j in [(0, 2), (1, 0), (2, 1)]]
+        planned = Planned(g)
+        first, second = planned.reads_of(products[0])
+        assert first == ("view", planned.batch_of(hs[0]), 0, 3)
+        kind, source, at, length = second
+        assert (kind, source, length) == ("rows", planned.batch_of(hs[0]), 3)
+        assert planned.indices[at:at + length] == [2, 0, 1]
+
+
+def test_rows_of_several_results_are_one_read_per_result_then_put_back_in_order():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(3)
+        # The first arguments are the latest results, so they fix the row order: 0, 1, 2.
+        deep = [fb.tanh(fb.tanh(x)) for x in xs]
+        ss, es = [fb.sigmoid(x) for x in xs], [fb.exp(x) for x in xs]
+        products = [deep[0] * ss[1], deep[1] * es[0], deep[2] * ss[0]]
+        planned = Planned(g)
+        _, mixed = planned.read_ids_of(products[0])
+        kind, parts, inverse, rows = planned.reads[mixed]
+        assert kind == "multi" and rows == 3
+        sources = [planned.reads[p][1] for p in parts]
+        assert sources == sorted([planned.batch_of(ss[0]), planned.batch_of(es[0])])
+        assert inverse is not None  # the results interleave: the concatenation is reordered
+        assert planned.positions(mixed, 3) == [(planned.batch_of(v), int(g.node_row[v.id]))
+                                               for v in (ss[1], es[0], ss[0])]
+
+
+def test_a_ragged_batch_reads_every_argument_flat_and_each_nodes_arity():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(3)]
+        sums = [fb.esum(hs[:2]), fb.esum(hs[2:])]
+        planned = Planned(g)
+        read_ids, stacked, arities = planned.batch_reads[planned.batch_of(sums[0])]  # forward 0
+        assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 3)]
+        assert stacked == 0 and planned.indices[arities:arities + 2] == [2, 1]
+
+
+def test_a_ragged_op_reads_its_fixed_arguments_one_each_then_its_lists_flat():
+    """A child-sum Tree-LSTM cell: its input and six parameters, then its 0..k children."""
+    torch.manual_seed(0)
+    cell = fb.nn.TreeLSTMCell(3, 4, child_sum=True)
+
+    def cells(planned: Planned) -> tuple[np.ndarray, tuple]:
+        (found,) = [(nodes, layout) for nodes, layout in zip(planned.schedule.batches,
+                                                             planned.batch_reads)
+                    if planned.graph.op_of(int(nodes[0])).name == "tree_lstm_child_sum"]
+        return found
+
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(4, width=3)
+        leaves = [cell([], x) for x in xs[:2]]
+        planned = Planned(g)
+        nodes, (read_ids, stacked, arities) = cells(planned)
+        assert len(read_ids) == 7  # every list is empty: no read of list items
+        assert planned.indices[arities:arities + 2] == [0, 0]
+        planned.discard()
+        g.forward()
+        cell(leaves, xs[2]), cell(leaves[:1], xs[3])
+        planned = Planned(g)
+        nodes, (read_ids, stacked, arities) = cells(planned)
+        assert len(read_ids) == 8 and stacked == 0
+        assert planned.indices[arities:arities + 2] == [len(g.args_of(int(v))) - 7 for v in nodes]
+        children = [u for v in nodes for u in g.args_of(int(v))[7:]]
+        assert planned.positions(read_ids[-1], 3) == [(int(g.node_batch[u]), int(g.node_row[u]))
+                                                      for u in children]
+
+
+def test_a_variadic_op_of_many_arguments_is_one_stacked_read():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(16)]
+        joined = [fb.concat(hs[:8]), fb.concat(hs[8:])]
+        planned = Planned(g)
+        read_ids, stacked, arities = planned.batch_reads[planned.batch_of(joined[0])]
+        assert stacked == 8 and arities is None
+        assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 16)]
+
+
+# ---- fan-outs ----------------------------------------------------------------------------------
+def test_a_result_read_in_disjoint_runs_is_split_once_into_pieces():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(5)]
+        low, high = [fb.sigmoid(h) for h in hs[:2]], [fb.exp(h) for h in hs[3:]]
+        planned = Planned(g)
+        (low_read,), (high_read,) = planned.reads_of(low[0]), planned.reads_of(high[0])
+        assert low_read[2:] == (0, 2) and high_read[2:] == (3, 2)
+        split, read_ids, at, sizes = planned.fan_outs[planned.batch_of(hs[0])]
+        assert split and sizes == (2, 1, 2)  # row 2, read by nobody, is a piece of its own
+        (low_id,), (high_id,) = planned.read_ids_of(low[0]), planned.read_ids_of(high[0])
+        assert dict(zip(read_ids, at)) == {low_id: 0, high_id: 2}
+
+
+def test_a_result_read_in_overlapping_pieces_is_gathered_once():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(4)]
+        for h in hs[:3]:
+            fb.sigmoid(h)
+        for h in hs[1:]:
+            fb.exp(h)
+        planned = Planned(g)
+        split, read_ids, at, sizes = planned.fan_outs[planned.batch_of(hs[0])]
+        assert not split and sizes == ()
+        rows = [planned.indices[a:a + planned.reads[k][3]] for k, a in zip(read_ids, at)]
+        assert sorted(rows) == [[0, 1, 2], [1, 2, 3]]
+
+
+# ---- every read gathers exactly its nodes' arguments -------------------------------------------
+STEP = st.tuples(st.sampled_from(["input", "tanh", "sigmoid", "mul", "esum", "concat"]),
+                 st.integers(0, 3), st.integers(0, 99), st.integers(0, 5).map(lambda k: k == 0))
+
+
+def _random_graph(steps) -> None:
+    """Nodes wired at random (recent inputs, so that chains form, and any earlier one), with a
+    forward now and then: later reads then also read results of earlier forwards."""
+    g = fb.current_graph()
+    pool = [fb.input(torch.zeros(2))]
+    for op, back, anywhere, forward in steps:
+        if forward and g.n_nodes > g.n_done:
+            g.forward()
+        x, y = pool[max(0, len(pool) - 1 - back)], pool[anywhere % len(pool)]
+        node = {"input": lambda: fb.input(torch.zeros(2)), "tanh": lambda: fb.tanh(x),
+                "sigmoid": lambda: fb.sigmoid(x), "mul": lambda: x * y,
+                "esum": lambda: fb.esum([x, y, x][:1 + anywhere % 3]),
+                "concat": lambda: fb.concat([x, y] * 4)[0:2]}[op]()
+        pool.append(node)
+
+
+def _arguments(g: fb.Graph, nodes: np.ndarray, layout: tuple) -> list[list[int]]:
+    """The node ids each read of a batch should gather, by the op's argument layout: one read
+    per argument position, except the flat read of all lists (a ragged op's arguments after its
+    `fixed` first ones) or of all arguments (a stacked variadic op), node after node."""
+    read_ids, stacked, arities = layout
+    args = [g.args_of(int(v)) for v in nodes]
+    if stacked:
+        return [[a for node_args in args for a in node_args]]
+    if arities is None:
+        return [[node_args[j] for node_args in args] for j in range(len(read_ids))]
+    fixed = getattr(g.op_of(int(nodes[0])), "fixed", 0)
+    items = [a for node_args in args for a in node_args[fixed:]]
+    return [[node_args[j] for node_args in args] for j in range(fixed)] + ([items] if items else [])
+
+
+@settings(max_examples=150)  # cheap: nothing runs but the core
+@given(steps=st.lists(STEP, min_size=1, max_size=20))
+def test_every_read_gathers_exactly_the_rows_its_nodes_arguments_live_in(steps):
+    for strategy in ("none", "depth", "agenda", "auto"):
+        with fb.Graph(strategy=strategy) as g:
+            _random_graph(steps)
+            if g.n_done == g.n_nodes:
+                continue
+            planned = Planned(g)
+            for nodes, layout in zip(planned.schedule.batches, planned.batch_reads):
+                for k, ids in zip(layout[0], _arguments(g, nodes, layout), strict=True):
+                    expected = [(int(g.node_batch[v]), int(g.node_row[v])) for v in ids]
+                    assert planned.positions(k, len(ids)) == expected
+            sizes = np.asarray(g.view("batch_sizes"))
+            for source, (split, read_ids, at, pieces) in planned.fan_outs.items():
+                assert len(read_ids) >= 2
+                if split:  # the pieces cover the result; each read is one of them
+                    assert sum(pieces) == sizes[source]
+                    starts = np.cumsum((0,) + pieces)
+                    for k, piece in zip(read_ids, at):
+                        _, _, start, length = planned.reads[k]
+                        assert (starts[piece], pieces[piece]) == (start, length)
+                else:  # one gather: each read's rows, listed where `at` points
+                    for k, a in zip(read_ids, at):
+                        rows = [row for _, row in planned.positions(k, planned.reads[k][3])]
+                        assert planned.indices[a:a + planned.reads[k][3]] == rows
