@@ -159,9 +159,10 @@ struct OpTraits {
   flybatch::ArgumentLayout layout;  // read planning
 };
 
-OpTraits op_traits(std::int32_t code) {
+// The traits of every op code so far, read from the ops that were registered since last asked.
+const std::vector<OpTraits>& op_traits() {
   static std::vector<OpTraits> known;
-  while (known.size() <= static_cast<std::size_t>(code)) {
+  while (known.size() < flybatch::op_count()) {
     PyObject* op = flybatch::op_object(static_cast<std::int32_t>(known.size()));
     OpTraits traits;
     traits.flags = {op_flag(op, "leaf"), op_flag(op, "cheap")};
@@ -171,7 +172,7 @@ OpTraits op_traits(std::int32_t code) {
     traits.layout.stack_from = op_int(op, "stack_from");
     known.push_back(traits);
   }
-  return known[code];
+  return known;
 }
 
 // A count of nodes that the core's 32-bit local ids can hold.
@@ -209,8 +210,8 @@ class ListSlice {
 };
 
 // The scheduling view of a graph's nodes begin..end-1, read in place from its columns (no
-// copy): signatures, depths (when asked for) and the inputs as global offsets into the arg_flat column. Op flags
-// come from the op column through one (leaf, cheap) per op code, read once per call.
+// copy): signatures, depths (when asked for) and the inputs as global offsets into the arg_flat
+// column. Op flags come from the op column through the (leaf, cheap) of each op code.
 class GraphSlice {
  public:
   GraphSlice(PyObject* graph, i64 begin, i64 end, bool with_depth = false) {
@@ -229,11 +230,7 @@ class GraphSlice {
     nodes.arg_ptr = c.arg_ptr.size() ? c.arg_ptr.data() + begin : kNoInputs;
     nodes.arg_flat = c.arg_flat.data();
     flybatch::check_nodes(nodes);
-    flags_.resize(flybatch::op_count());
-    for (std::size_t code = 0; code < flags_.size(); ++code) {
-      PyObject* op = flybatch::op_object(static_cast<std::int32_t>(code));
-      flags_[code] = {op_flag(op, "leaf"), op_flag(op, "cheap")};
-    }
+    for (const OpTraits& traits : op_traits()) flags_.push_back(traits.flags);
   }
 
   flybatch::OpFlags operator()(i64 node) const { return flags_[store_->nodes->op[node]]; }
@@ -588,7 +585,7 @@ PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
     forward.node_row = c.row.data();
     forward.batch_size = c.batch_size.data();
     const flybatch::ReadPlan plan = flybatch::plan_reads(
-        forward, [&](i64 node) { return op_traits(c.op[node]).layout; });
+        forward, [&, &traits = op_traits()](i64 node) { return traits[c.op[node]].layout; });
     return plan_to_python(plan);
   });
 }
