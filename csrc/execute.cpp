@@ -94,8 +94,8 @@ bool partial(const ScheduledForward& f, const Read& read) {
          !(read.start == 0 && read.length == rows_of(f, read.source));
 }
 
-// Split into disjoint runs when every read is a view and no two distinct views overlap;
-// else one gather of each read's rows.
+// Split the result into disjoint runs when every read is a view and no two distinct views
+// overlap; else gather every read's rows at once and split that.
 void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
   std::vector<std::pair<i64, i64>> spans;  // (first row, rows) of each distinct view
   bool views = true;
@@ -111,7 +111,6 @@ void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
     for (std::size_t i = 1; i < spans.size() && disjoint; ++i)
       disjoint = spans[i - 1].first + spans[i - 1].second <= spans[i].first;
     if (disjoint) {
-      fan.split = true;
       std::vector<i64> piece_of_span;
       i64 at = 0;
       for (const auto& [start, length] : spans) {
@@ -125,19 +124,20 @@ void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
         const Read& r = plan.reads[k];
         const auto span = std::lower_bound(spans.begin(), spans.end(),
                                            std::make_pair(r.start, r.length));
-        fan.at.push_back(piece_of_span[span - spans.begin()]);
+        fan.piece.push_back(piece_of_span[span - spans.begin()]);
       }
       return;
     }
   }
+  fan.gather = static_cast<i64>(plan.indices.size());
   for (i64 k : fan.reads) {
     const Read& r = plan.reads[k];
-    if (r.kind == ReadKind::rows) {
-      fan.at.push_back(r.start);
-      continue;
+    fan.piece.push_back(static_cast<i64>(fan.sizes.size()));
+    fan.sizes.push_back(r.length);
+    for (i64 i = 0; i < r.length; ++i) {  // copied: the gather's rows follow each other
+      const i64 row = r.kind == ReadKind::rows ? plan.indices[r.start + i] : r.start + i;
+      plan.indices.push_back(row);
     }
-    fan.at.push_back(static_cast<i64>(plan.indices.size()));
-    for (i64 row = r.start; row < r.start + r.length; ++row) plan.indices.push_back(row);
   }
 }
 

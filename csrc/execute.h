@@ -65,16 +65,16 @@ struct BatchReads {
 
 // A result read in pieces (not whole) by two or more reads. Every partial read of a tensor
 // makes autograd build a zero tensor the size of the whole result in backward; fanning the
-// result out once makes that one allocation. `split`: the pieces are disjoint runs, so the
-// result is split into views (`sizes`, covering all its rows; `at[i]`: the piece of reads[i]);
-// else one gather of each read's rows (`at[i]`: where reads[i]'s row numbers start in
-// `indices`, as many as the read has rows).
+// result out once into the pieces makes that one allocation. The pieces come from ONE
+// torch.split: of the result itself when the reads are disjoint runs (`gather` -1; `sizes`
+// cover all its rows, runs nobody reads included), else of ONE gather of every read's rows,
+// listed from indices[gather] on (`sizes`: each read's rows). reads[i] gets piece piece[i].
 struct FanOut {
   i64 source = 0;
-  bool split = false;
+  i64 gather = -1;
   std::vector<i64> reads;
   std::vector<i64> sizes;
-  std::vector<i64> at;
+  std::vector<i64> piece;
 };
 
 struct ReadPlan {

@@ -518,9 +518,10 @@ PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
   Owned fan_outs(PyDict_New());
   for (const flybatch::FanOut& fan : plan.fan_outs) {
     Owned source(PyLong_FromLongLong(fan.source));
-    Owned reads_of(int_tuple(fan.reads)), at(int_tuple(fan.at)), sizes(int_tuple(fan.sizes));
-    Owned value(Py_BuildValue("(OOOO)", fan.split ? Py_True : Py_False, reads_of.get(), at.get(),
-                              sizes.get()));
+    Owned reads_of(int_tuple(fan.reads)), sizes(int_tuple(fan.sizes));
+    Owned piece(int_tuple(fan.piece));
+    Owned gather(fan.gather < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(fan.gather));
+    Owned value(PyTuple_Pack(4, reads_of.get(), gather.get(), sizes.get(), piece.get()));
     if (PyDict_SetItem(fan_outs.get(), source.get(), value.get()) < 0) throw PythonError{};
   }
   Owned indices(PyByteArray_FromStringAndSize(
@@ -540,8 +541,8 @@ const char kPlanReadsDoc[] =
     "         ('multi', part read ids, inverse at or None, rows);\n"
     "  batch_reads: per batch, (read ids of its arguments, stacked arity or 0, arities at or\n"
     "         None for a ragged op);\n"
-    "  fan_outs: source -> (split, read ids, at, sizes): split into pieces of `sizes`, read k\n"
-    "         getting piece at[k]; else one gather, read k's rows at at[k];\n"
+    "  fan_outs: source -> (read ids, gather at or None, sizes, piece of each read): the\n"
+    "         result (or one gather of the rows listed from `gather` on) split into `sizes`;\n"
     "  indices: the int64 row numbers, permutations and arities that an `at` points into.";
 
 PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {

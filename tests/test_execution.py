@@ -176,10 +176,11 @@ def test_a_result_read_in_disjoint_runs_is_split_once_into_pieces():
         planned = Planned(g)
         (low_read,), (high_read,) = planned.reads_of(low[0]), planned.reads_of(high[0])
         assert low_read[2:] == (0, 2) and high_read[2:] == (3, 2)
-        split, read_ids, at, sizes = planned.fan_outs[planned.batch_of(hs[0])]
-        assert split and sizes == (2, 1, 2)  # row 2, read by nobody, is a piece of its own
+        read_ids, gather, sizes, piece = planned.fan_outs[planned.batch_of(hs[0])]
+        assert gather is None  # the result itself is split
+        assert sizes == (2, 1, 2)  # row 2, read by nobody, is a piece of its own
         (low_id,), (high_id,) = planned.read_ids_of(low[0]), planned.read_ids_of(high[0])
-        assert dict(zip(read_ids, at)) == {low_id: 0, high_id: 2}
+        assert dict(zip(read_ids, piece)) == {low_id: 0, high_id: 2}
 
 
 def test_a_result_read_in_overlapping_pieces_is_gathered_once():
@@ -190,10 +191,10 @@ def test_a_result_read_in_overlapping_pieces_is_gathered_once():
         for h in hs[1:]:
             fb.exp(h)
         planned = Planned(g)
-        split, read_ids, at, sizes = planned.fan_outs[planned.batch_of(hs[0])]
-        assert not split and sizes == ()
-        rows = [planned.indices[a:a + planned.reads[k][3]] for k, a in zip(read_ids, at)]
-        assert sorted(rows) == [[0, 1, 2], [1, 2, 3]]
+        read_ids, gather, sizes, piece = planned.fan_outs[planned.batch_of(hs[0])]
+        assert sizes == (3, 3) and piece == (0, 1)  # one gather of both reads' rows, split
+        assert sorted([planned.indices[gather:gather + 3], planned.indices[gather + 3:gather + 6]]) \
+            == [[0, 1, 2], [1, 2, 3]]
 
 
 # ---- every read gathers exactly its nodes' arguments -------------------------------------------
@@ -245,16 +246,14 @@ def test_every_read_gathers_exactly_the_rows_its_nodes_arguments_live_in(steps):
                 for k, ids in zip(layout[0], _arguments(g, nodes, layout), strict=True):
                     expected = [(int(g.node_batch[v]), int(g.node_row[v])) for v in ids]
                     assert planned.positions(k, len(ids)) == expected
-            sizes = np.asarray(g.view("batch_sizes"))
-            for source, (split, read_ids, at, pieces) in planned.fan_outs.items():
+            batch_sizes = np.asarray(g.view("batch_sizes"))
+            for source, (read_ids, gather, sizes, piece_of) in planned.fan_outs.items():
                 assert len(read_ids) >= 2
-                if split:  # the pieces cover the result; each read is one of them
-                    assert sum(pieces) == sizes[source]
-                    starts = np.cumsum((0,) + pieces)
-                    for k, piece in zip(read_ids, at):
-                        _, _, start, length = planned.reads[k]
-                        assert (starts[piece], pieces[piece]) == (start, length)
-                else:  # one gather: each read's rows, listed where `at` points
-                    for k, a in zip(read_ids, at):
-                        rows = [row for _, row in planned.positions(k, planned.reads[k][3])]
-                        assert planned.indices[a:a + planned.reads[k][3]] == rows
+                # The pieces of the result (or of one gather of rows), in row order.
+                rows = (range(batch_sizes[source]) if gather is None else
+                        planned.indices[gather:gather + sum(sizes)])
+                assert len(rows) == sum(sizes)
+                starts = np.cumsum((0,) + sizes)
+                for k, piece in zip(read_ids, piece_of):
+                    wanted = [row for _, row in planned.positions(k, planned.reads[k][3])]
+                    assert list(rows[starts[piece]:starts[piece + 1]]) == wanted

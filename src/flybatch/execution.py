@@ -11,7 +11,8 @@ Backward is PyTorch autograd over the batched forward, so it runs over the same 
 cost trap: every partial read of a result makes autograd build a zero tensor the size of the
 whole result in backward. So a result read in pieces by several later batches is *fanned out*
 once, right after it is computed: `torch.split` into its runs when the reads are disjoint runs,
-else one `_FanOut` whose backward fills a single zero tensor and adds every piece's gradient in.
+else one `index_select` of every piece's rows, split: its backward fills a single zero tensor
+and adds every piece's gradient in.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -47,7 +48,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
     for source in [s for s in fan_outs if s < plan.first_batch]:
-        _fan_out(graph, source, fan_outs[source], reads, indices, pieces)
+        _fan_out(graph, source, fan_outs[source], indices, pieces)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
     for nodes, (arg_reads, stacked, arities) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
@@ -80,7 +81,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
             graph.launches.append((graph.sig_of(first), size))
         source = len(values) - 1
         if source in fan_outs:
-            _fan_out(graph, source, fan_outs[source], reads, indices, pieces)
+            _fan_out(graph, source, fan_outs[source], indices, pieces)
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -121,29 +122,7 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
         raise ExecutionError(message) from error
 
 
-# ---- running reads -----------------------------------------------------------------------------
-class _FanOut(torch.autograd.Function):
-    """Several `index_select`s of one tensor whose backward fills ONE zero tensor."""
-
-    @staticmethod
-    def forward(ctx, source, *indices):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*indices)
-        ctx.source_shape = source.shape
-        return tuple(source.index_select(0, index) for index in indices)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        present = [g for g in grads if g is not None]
-        if not present:
-            return (None,) * (1 + len(grads))
-        grad = present[0].new_zeros(ctx.source_shape)
-        for index, g in zip(ctx.saved_tensors, grads):
-            if g is not None:
-                grad.index_add_(0, index, g)
-        return (grad,) + (None,) * len(grads)
-
-
+# ---- running reads ----------------------------------------------------------------------------
 class _Indices:
     """The row numbers, permutations and arities of a plan: one int64 buffer, as numpy and as
     one torch tensor per device that reads it, sliced (no copy) per read."""
@@ -159,23 +138,23 @@ class _Indices:
         return tensor[at:at + length]
 
 
-def _fan_out(graph: "Graph", source: int, fan_out: tuple, reads: list[Read], indices: _Indices,
+def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
              pieces: dict[int, torch.Tensor]) -> None:
+    """Cut a result read in pieces into those pieces at once, so that backward builds one
+    gradient tensor for it instead of one zero-filled copy per piece."""
     tensor = graph.values[source]
     if not tensor.requires_grad:
         return  # no backward to protect: the reads run as plain views and selects
-    split, read_ids, at, sizes = fan_out
-    if split:  # disjoint runs: views; backward concatenates (one allocation)
-        parts = torch.split(tensor, sizes)
-        for k, piece in zip(read_ids, at):
-            pieces[k] = parts[piece]
+    read_ids, gather, sizes, piece_of = fan_out
+    if gather is None:  # disjoint runs: views of the result; backward concatenates
+        whole = tensor
         graph.gathers_avoided += len(read_ids)
-        return
-    # A view or rows read ends with its number of rows.
-    rows = [indices.rows(a, reads[k][3], tensor) for k, a in zip(read_ids, at)]
-    for k, piece in zip(read_ids, _FanOut.apply(tensor, *rows)):
-        pieces[k] = piece
-    graph.gathers += len(read_ids)
+    else:  # one gather of every read's rows; backward adds them into one zero tensor
+        whole = tensor.index_select(0, indices.rows(gather, sum(sizes), tensor))
+        graph.gathers += len(read_ids)
+    parts = torch.split(whole, sizes)
+    for k, piece in zip(read_ids, piece_of):
+        pieces[k] = parts[piece]
 
 
 def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
