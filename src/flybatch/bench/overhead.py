@@ -6,6 +6,9 @@ Building is timed from the first op call to the last (Python only: no torch work
 scheduling is `scheduling.schedule` on the whole graph. Costs per node should be flat across
 sizes (linear total cost); the floors (issue 10) are 0.5 us per node for building, 0.15 us for
 agenda scheduling and 0.1 us for depth scheduling. One thread: the cost of flybatch itself.
+Memory is the growth of the resident set over the first build of each size (the benchmark's
+own per-instance data included), once built and once scheduled with the schedule alive; the
+floor is 100 B per node, meaningful at the large sizes.
 
 It also times incremental forwards of about 75 nodes (`--forward-steps`): 15 parsers each score
 one transition (concat of four encoder states, affine, tanh, product, loss) and ask for the
@@ -22,6 +25,7 @@ import argparse
 import gc
 import json
 import random
+import resource
 import statistics
 import time
 
@@ -113,21 +117,35 @@ def measure_capture(n_nodes: int, repeats: int) -> dict:
             "fb_ops_us_per_node": statistics.median(fb_per_node)}
 
 
+def resident_bytes() -> int:
+    """The resident memory of this process now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
 def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
-    build_us, schedule_us, batches = [], [], 0
+    build_us, schedule_us, batches, memory = [], [], 0, {}
     for r in range(repeats):
         gc.collect()
+        before = resident_bytes()
         graph, seconds = build(n_nodes, strategy, seed=r)
         n = graph.n_nodes
+        built = resident_bytes()
         graph._grow_positions(n)
         start = time.perf_counter()
         plan = scheduling.schedule(graph, 0, n)
         schedule_us.append((time.perf_counter() - start) / n * 1e6)
         build_us.append(seconds / n * 1e6)
         batches = len(plan)
+        if r == 0:  # later builds reuse memory the allocator kept
+            memory = {"built_bytes_per_node": (built - before) / n,
+                      "scheduled_bytes_per_node": (resident_bytes() - before) / n}
         graph.close()
     return {"nodes": n, "strategy": strategy, "build_us_per_node": statistics.median(build_us),
-            "schedule_us_per_node": statistics.median(schedule_us), "batches": batches}
+            "schedule_us_per_node": statistics.median(schedule_us), "batches": batches, **memory}
 
 
 PARSERS, FEATURES = 15, 4
@@ -185,11 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_interop_threads(1)
     rows = [measure(size, s, args.repeats if size < 1_000_000 else 1)
             for size in args.sizes for s in args.strategies]
-    print("| nodes | strategy | build us/node | schedule us/node | batches |")
-    print("|---|---|---|---|---|")
+    print("| nodes | strategy | build us/node | schedule us/node | batches | B/node built | "
+          "B/node scheduled |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['nodes']} | {row['strategy']} | {row['build_us_per_node']:.2f} | "
-              f"{row['schedule_us_per_node']:.2f} | {row['batches']} |")
+              f"{row['schedule_us_per_node']:.2f} | {row['batches']} | "
+              f"{row['built_bytes_per_node']:.0f} | {row['scheduled_bytes_per_node']:.0f} |")
     # Torch-native code (capture.py): the same model as torch calls, recorded one call each.
     captured = [measure_capture(size, args.repeats) for size in args.sizes if size <= 100_000]
     print()
