@@ -7,8 +7,8 @@ scheduling is `scheduling.schedule` on the whole graph. Costs per node should be
 sizes (linear total cost); the floors (issue 10) are 0.5 us per node for building, 0.15 us for
 agenda scheduling and 0.1 us for depth scheduling. One thread: the cost of flybatch itself.
 Memory is the growth of the resident set over the first build of each size (the benchmark's
-own per-instance data included), once built and once scheduled with the schedule alive; the
-floor is 100 B per node, meaningful at the large sizes.
+own per-instance data included), once built and once scheduled with the schedule alive, for
+the first strategy; the floor is 100 B per node, meaningful at the large sizes.
 
 It also times incremental forwards of about 75 nodes (`--forward-steps`): 15 parsers each score
 one transition (concat of four encoder states, affine, tanh, product, loss) and ask for the
@@ -126,8 +126,11 @@ def resident_bytes() -> int:
         return 0
 
 
-def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
-    build_us, schedule_us, batches, memory = [], [], 0, {}
+def measure(n_nodes: int, strategy: str, repeats: int, memory: bool) -> dict:
+    """Build and schedule `repeats` graphs; with `memory`, also the bytes per node of the first
+    (measure the first graph of a size only: glibc keeps the blocks freed while an earlier
+    graph's columns grew, so a later one at the same size reads up to ~30 B/node higher)."""
+    build_us, schedule_us, batches, bytes_per_node = [], [], 0, {}
     for r in range(repeats):
         gc.collect()
         before = resident_bytes()
@@ -140,12 +143,13 @@ def measure(n_nodes: int, strategy: str, repeats: int) -> dict:
         schedule_us.append((time.perf_counter() - start) / n * 1e6)
         build_us.append(seconds / n * 1e6)
         batches = len(plan)
-        if r == 0:  # later builds reuse memory the allocator kept
-            memory = {"built_bytes_per_node": (built - before) / n,
-                      "scheduled_bytes_per_node": (resident_bytes() - before) / n}
+        if memory and r == 0:
+            bytes_per_node = {"built_bytes_per_node": (built - before) / n,
+                              "scheduled_bytes_per_node": (resident_bytes() - before) / n}
         graph.close()
     return {"nodes": n, "strategy": strategy, "build_us_per_node": statistics.median(build_us),
-            "schedule_us_per_node": statistics.median(schedule_us), "batches": batches, **memory}
+            "schedule_us_per_node": statistics.median(schedule_us), "batches": batches,
+            **bytes_per_node}
 
 
 PARSERS, FEATURES = 15, 4
@@ -189,6 +193,10 @@ def measure_forward(strategy: str, steps: int, scattered: bool, seed: int = 0) -
             "forward_us": statistics.median(warm) * 1e6}
 
 
+def _bytes(row: dict, key: str) -> str:
+    return f"{row[key]:.0f}" if key in row else "-"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flybatch.bench overhead",
                                      description=__doc__.splitlines()[0])
@@ -201,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    rows = [measure(size, s, args.repeats if size < 1_000_000 else 1)
+    rows = [measure(size, s, args.repeats if size < 1_000_000 else 1,
+                    memory=s == args.strategies[0])
             for size in args.sizes for s in args.strategies]
     print("| nodes | strategy | build us/node | schedule us/node | batches | B/node built | "
           "B/node scheduled |")
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"| {row['nodes']} | {row['strategy']} | {row['build_us_per_node']:.2f} | "
               f"{row['schedule_us_per_node']:.2f} | {row['batches']} | "
-              f"{row['built_bytes_per_node']:.0f} | {row['scheduled_bytes_per_node']:.0f} |")
+              f"{_bytes(row, 'built_bytes_per_node')} | {_bytes(row, 'scheduled_bytes_per_node')} |")
     # Torch-native code (capture.py): the same model as torch calls, recorded one call each.
     captured = [measure_capture(size, args.repeats) for size in args.sizes if size <= 100_000]
     print()
