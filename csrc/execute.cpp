@@ -22,7 +22,8 @@ class Planner {
     const i64 first = ids[0];
     const i64 source = where(first);
     const bool one_node = std::all_of(ids + 1, ids + n, [&](i64 v) { return v == first; });
-    if (n == 1 || (broadcast && one_node)) return add({ReadKind::view, source, f_.node_row[first], 1});
+    if (n == 1 || (broadcast && one_node))
+      return add({ReadKind::view, source, f_.node_row[first], 1});
     const bool one_source =
         std::all_of(ids + 1, ids + n, [&](i64 v) { return where(v) == source; });
     if (!one_source) return multi(ids, n);

@@ -1,6 +1,6 @@
 // flybatch._core: the Python bindings of the compiled core, and nothing else. Each stage's
-// algorithms live in their own file (schedule.cpp, ...) over plain arrays; a binding here reads
-// the Python arguments, calls the stage and translates errors. To add a stage: write
+// algorithms live in their own file (schedule.cpp, execute.cpp) over plain arrays; a binding
+// reads the Python arguments, calls the stage and translates errors. To add a stage: write
 // <stage>.cpp/.h, wrap its functions below like py_schedule, and list them in kMethods
 // (setup.py compiles every csrc/*.cpp).
 #define PY_SSIZE_T_CLEAN

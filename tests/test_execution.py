@@ -193,8 +193,8 @@ def test_a_result_read_in_overlapping_pieces_is_gathered_once():
         planned = Planned(g)
         read_ids, gather, sizes, piece = planned.fan_outs[planned.batch_of(hs[0])]
         assert sizes == (3, 3) and piece == (0, 1)  # one gather of both reads' rows, split
-        assert sorted([planned.indices[gather:gather + 3], planned.indices[gather + 3:gather + 6]]) \
-            == [[0, 1, 2], [1, 2, 3]]
+        gathered = planned.indices[gather:gather + 6]
+        assert sorted([gathered[:3], gathered[3:]]) == [[0, 1, 2], [1, 2, 3]]
 
 
 # ---- every read gathers exactly its nodes' arguments -------------------------------------------

@@ -23,7 +23,8 @@ next batch usually finds its inputs as a contiguous, in-order run of an earlier 
 them without a copy.
 
 The algorithms are the compiled core's (csrc/schedule.cpp), linear in nodes + edges; they read the
-node store's columns in place; this module allocates the output arrays and turns its answer into a `Schedule`.
+node store's columns in place; this module allocates the output arrays and turns its answer into
+a `Schedule`.
 """
 
 from __future__ import annotations

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"| {row['nodes']} | {row['strategy']} | {row['build_us_per_node']:.2f} | "
               f"{row['schedule_us_per_node']:.2f} | {row['batches']} | "
-              f"{_bytes(row, 'built_bytes_per_node')} | {_bytes(row, 'scheduled_bytes_per_node')} |")
+              f"{_bytes(row, 'built_bytes_per_node')} | "
+              f"{_bytes(row, 'scheduled_bytes_per_node')} |")
     # Torch-native code (capture.py): the same model as torch calls, recorded one call each.
     captured = [measure_capture(size, args.repeats) for size in args.sizes if size <= 100_000]
     print()
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {row['nodes']} | {row['capture_us_per_call']:.2f} | "
               f"{row['capture_us_per_node']:.2f} | {row['fb_ops_us_per_node']:.2f} |")
     forwards = [measure_forward(s, args.forward_steps, scattered)
-                for scattered in (False, True) for s in args.strategies] if args.forward_steps else []
+                for scattered in (False, True) for s in args.strategies
+                if args.forward_steps]
     if forwards:
         print()
         print("| forward of | reads | strategy | us/forward |")
