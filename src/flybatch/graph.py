@@ -317,6 +317,7 @@ class Graph(_core.Store):
             node = self.n_nodes
             self.add(PARAMETER, (), shape, ("parameter", node), view)
             self._leaf_nodes[leaf_key] = node
+            self.parameter_nodes.append(node)  # re-read by each forward, as parameters are
             self.set_parameter_tag(node, signatures.tag(self, view))
         return node
 
