@@ -1438,12 +1438,30 @@ def _argmax(self, dim=None, keepdim=False):
     return torch_call(T.argmax, (self, dim, keepdim), {})
 
 
+def _comparison(func: Callable, peek: Callable) -> Callable:
+    """`<` `<=` `>` `>=`: a scalar compared with a scalar asks for the value (a Python bool, so
+    `if score > best:` branches on it, as flybatch always did); anything larger is torch's
+    elementwise mask, recorded (bool() of it would be ambiguous anyway)."""
+    def compare(self, other):
+        other_shape = other.shape if isinstance(other, (Expression, torch.Tensor, np.ndarray)) \
+            else ()
+        if not self.shape and not tuple(other_shape):
+            return peek(self, other)
+        return torch_call(func, (self, other), {})
+    compare.__name__ = func.__name__
+    return compare
+
+
 def _install() -> None:
     for name, prop in _PROPERTIES.items():
         setattr(Expression, name, prop)
     for name, fn in _OWN.items():
         setattr(Expression, name, fn)
     Expression.argmax = _argmax
+    for name in ("__lt__", "__le__", "__gt__", "__ge__"):
+        setattr(Expression, name, _comparison(getattr(T, name), vars(Expression)[name]
+                                              if name in vars(Expression) else
+                                              getattr(Expression.__mro__[0], name)))
     for name in dir(T):
         if name.startswith("_") or name in _KEEP or name in _PROPERTIES or name in _OWN:
             continue

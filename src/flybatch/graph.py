@@ -171,8 +171,9 @@ class Expression(_core.Expression):
         with _no_capture():
             return bool(value)
 
-    # Comparisons ask for the value (so control flow can depend on it). `==` and `!=` keep
-    # identity semantics so that expressions stay usable as dict keys and in `in` tests.
+    # Comparisons of a scalar ask for the value (so control flow can depend on it); capture.py
+    # makes those of a larger expression elementwise masks, and `==` / `!=` elementwise against
+    # a tensor or number (identity between two expressions: they are dict keys, `in` members).
     def __lt__(self, other: Any) -> bool:
         a, b = self._peek(), _plain(other)
         with _no_capture():
