@@ -34,6 +34,7 @@ PyObject* s_open_tuple = nullptr;       // "("
 PyObject* s_open_list = nullptr;        // "["
 PyObject* s_close = nullptr;            // ")"
 PyObject* s_bar = nullptr;              // "|"
+PyObject* s_slice = nullptr;            // "slice"
 
 struct Ref {  // owns one reference
   PyObject* o;
@@ -137,6 +138,15 @@ struct TakeApart {
       }
       append(key, s_close);
       return out.release();
+    }
+    if (PySlice_Check(x)) {  // ("slice", start, stop, step) when those are ints or None, as _key
+      PySliceObject* sl = reinterpret_cast<PySliceObject*>(x);
+      auto plain = [](PyObject* v) { return v == Py_None || PyLong_CheckExact(v); };
+      if (plain(sl->start) && plain(sl->stop) && plain(sl->step)) {
+        Ref k{PyTuple_Pack(4, s_slice, sl->start, sl->stop, sl->step)};
+        append(key, k.o);
+        return Py_NewRef(x);
+      }
     }
     Ref k{PyObject_CallOneArg(g_key_of, x)};
     append(key, k.o);
@@ -292,10 +302,12 @@ bool register_capture(PyObject* module) {
   s_open_list = PyUnicode_InternFromString("[");
   s_close = PyUnicode_InternFromString(")");
   s_bar = PyUnicode_InternFromString("|");
+  s_slice = PyUnicode_InternFromString("slice");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
-  return s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_hash && s_open_tuple && s_open_list &&
-         s_close && s_bar && PyModule_AddFunctions(module, kCaptureMethods) == 0;
+  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_hash &&
+         s_open_tuple && s_open_list && s_close && s_bar &&
+         PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 
 }  // namespace flybatch

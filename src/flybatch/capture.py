@@ -994,38 +994,41 @@ def _loss(func: Callable, n_inputs: int):
     label = func.__name__
     weighted = func in (F.nll_loss, F.cross_entropy)
 
-    def handler(*args, **kwargs):
-        bound = _bind(func, args, kwargs)
+    def build(call):
+        bound = _bind(func, call.args, call.kwargs)  # the template: operands are _Slots
         reduction = bound.pop("reduction", "mean")
-        for legacy in ("size_average", "reduce"):
-            if bound.pop(legacy, None) is not None:
-                return NotImplemented
-        tensors = [bound.pop(name) for name in list(bound)[:n_inputs]]
+        if any(bound.pop(legacy, None) is not None for legacy in ("size_average", "reduce")):
+            return NotImplemented
+        inputs = [bound.pop(name) for name in list(bound)[:n_inputs]]
         weight = bound.pop("weight", None) if weighted else None
-        if weighted and any(isinstance(v, float) and v != 0.0 for v in
-                            [bound.get("label_smoothing", 0.0)]):
+        if weighted and bound.get("label_smoothing", 0.0) != 0.0:
             return NotImplemented
-        if any(isinstance(v, (torch.Tensor, Expression)) for v in bound.values()):
+        if any(type(v) is not _Slot for v in inputs) or \
+                any(isinstance(v, _Slot) for v in bound.values()):
             return NotImplemented  # per-instance weights, pos_weight: generic
-        operands = tuple(tensors) + ((weight,) if weight is not None else ())
-        call = _Call(operands, {})
-        g = call.graph
-        if weight is not None and not call.shared()[-1]:
+        if weight is not None and (type(weight) is not _Slot or not call.params[weight.index]):
             return NotImplemented
-        shapes = [g.shape_of(n) for n in call.nodes]
-        if weighted:
-            if len(shapes[0]) not in (1, 2):
-                return NotImplemented  # (N, C, d1...) inputs: generic
-        structure = _meta_of(func, _Call(operands, {"reduction": reduction}, g) if weight is None
-                             else _Call(tuple(tensors), {"weight": weight,
-                                                         "reduction": reduction}, g))
-        shape, dtype = structure
-        consts = (reduction, weight is not None, tuple(sorted(bound.items())))
-        shared = (False,) * len(tensors) + ((True,) if weight is not None else ())
-        return _direct(label, call, _Bound(_loss_batched, func, weighted), consts,
-                       shape, dtype, shared)
+        if weighted and len(call.operands[inputs[0].index][0]) not in (1, 2):
+            return NotImplemented  # (N, C, d1...) inputs: generic
+        shape, dtype = _meta_of(func, call)
+        slots = tuple(v.index for v in inputs)
+        weight_slot = None if weight is None else weight.index
+        shared = tuple(i == weight_slot for i in range(len(call.nodes)))
+        fn = _Bound(_loss_from_slots, func, weighted, slots, weight_slot, reduction,
+                    tuple(sorted(bound.items())), key=call.key)
+        return label, fn, shape, dtype, shared, False
+
+    def handler(*args, **kwargs):
+        return _record(handler, args, kwargs, build)
 
     return handler
+
+
+def _loss_from_slots(func, weighted, slots, weight_slot, reduction, options, batch):
+    tensors = [batch[i] for i in slots]
+    if weight_slot is not None:
+        tensors.append(batch[weight_slot])
+    return _loss_batched(func, weighted, tensors, reduction, weight_slot is not None, options)
 
 
 def _bind(func, args, kwargs) -> dict:
