@@ -39,8 +39,8 @@ HIDDEN = 16
 OPS_PER_STEP = 4  # lookup, affine, add, tanh
 
 
-def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
-    """A graph of about `n_nodes` nodes; returns it and the seconds spent building it."""
+def _model_and_data(n_nodes: int, seed: int):
+    """(W, U, b, E, O), and word ids and labels of sequences making about `n_nodes` nodes."""
     torch.manual_seed(seed)
     W = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
     U = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
@@ -48,14 +48,19 @@ def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
     E = torch.nn.Parameter(torch.randn(1000, HIDDEN))
     O = torch.nn.Parameter(torch.randn(5, HIDDEN))
     rng = random.Random(seed)
-    lengths = []
-    total = 0
+    lengths, total = [], 0
     while total < n_nodes:
         length = rng.randint(5, 60)
         lengths.append(length)
         total += OPS_PER_STEP * length + 2
     words = [[rng.randrange(1000) for _ in range(n)] for n in lengths]
     labels = [rng.randrange(5) for _ in lengths]
+    return (W, U, b, E, O), words, labels
+
+
+def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
+    """A graph of about `n_nodes` nodes; returns it and the seconds spent building it."""
+    (W, U, b, E, O), words, labels = _model_and_data(n_nodes, seed)
     graph = fb.Graph(strategy=strategy)
     start = time.perf_counter()
     losses = []
@@ -71,20 +76,8 @@ def build(n_nodes: int, strategy: str, seed: int = 0) -> tuple[fb.Graph, float]:
 def build_torch_native(n_nodes: int, seed: int = 0) -> tuple[int, float, int]:
     """The same graph written as plain torch code inside `with fb.Graph()` (the capture layer
     records each torch call); returns its nodes, the seconds spent and the torch calls made."""
-    torch.manual_seed(seed)
-    W = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
-    U = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN))
-    b = torch.nn.Parameter(torch.zeros(HIDDEN))
-    E = torch.nn.Parameter(torch.randn(1000, HIDDEN))
-    O = torch.nn.Parameter(torch.randn(5, HIDDEN))
-    rng = random.Random(seed)
-    lengths, total = [], 0
-    while total < n_nodes:
-        length = rng.randint(5, 60)
-        lengths.append(length)
-        total += OPS_PER_STEP * length + 2
-    words = [[rng.randrange(1000) for _ in range(n)] for n in lengths]
-    labels = [torch.tensor(rng.randrange(5)) for _ in lengths]
+    (W, U, b, E, O), words, labels = _model_and_data(n_nodes, seed)
+    labels = [torch.tensor(label) for label in labels]
     zero = torch.zeros(HIDDEN)
     calls = sum(4 * len(sentence) + 2 for sentence in words)
     with fb.Graph() as graph:
