@@ -498,32 +498,5 @@ Expression.__iter__ = None  # iterating would loop forever through __getitem__: 
 # Without it NumPy takes an Expression for a scalar object and applies `ndarray + x` element by
 # element (an object array of expressions); None makes NumPy defer to `x.__radd__` and the like.
 Expression.__array_ufunc__ = None
-
-
-def _reflected(fn: Callable[[Operand, Operand], Expression]):
-    return lambda self, other: fn(other, self)
-
-
-# A torch.Tensor on the left of an operator (`W @ h`, `b + h`) would make torch try, fail and
-# return NotImplemented through a raised exception (~20 us). Declaring `__torch_function__`
-# sends those calls straight here instead.
-_TORCH_OPERATORS = {
-    torch.Tensor.__add__: add, torch.Tensor.__radd__: _reflected(add),
-    torch.Tensor.__sub__: sub, torch.Tensor.__rsub__: _reflected(sub),
-    torch.Tensor.__mul__: mul, torch.Tensor.__rmul__: _reflected(mul),
-    torch.Tensor.__truediv__: div, torch.Tensor.__rtruediv__: _reflected(div),
-    torch.Tensor.__matmul__: matmul, torch.Tensor.__rmatmul__: _reflected(matmul),
-    torch.matmul: matmul, torch.add: add, torch.sub: sub, torch.mul: mul, torch.div: div,
-}
-
-
-def _torch_function(cls, func, types, args=(), kwargs=None):
-    impl = _TORCH_OPERATORS.get(func)
-    if impl is None or kwargs:
-        name = getattr(func, "__name__", repr(func))
-        raise TypeError(f"torch.{name} cannot take a flybatch Expression; use the fb.* op "
-                        "(or .value() to get a tensor)")
-    return impl(*args)
-
-
-Expression.__torch_function__ = classmethod(_torch_function)
+# Torch functions on expressions (`W @ h` with a tensor on the left, `torch.tanh(x)`, any other)
+# go through `Expression.__torch_function__`, which capture.py defines.
