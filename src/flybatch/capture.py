@@ -241,12 +241,12 @@ class _Call:
         return tuple(self.weight)
 
     def shapes(self) -> tuple:
-        return tuple(self.operands)
+        return self.operands  # (shape, dtype) per operand, a tuple from the core
 
     def shared(self) -> tuple[bool, ...]:
         """Which operands are one node for every instance (parameters): passed to a kernel
         once, and named by node in the signature so that a batch shares them."""
-        return tuple(self.params)
+        return self.params
 
 
 def _graph_of(args: tuple, kwargs: dict) -> Graph:
@@ -358,10 +358,8 @@ def _wrap(g: Graph, structure: Any, make: Callable[[int, tuple, torch.dtype], Ex
     if isinstance(structure[0], tuple) and isinstance(structure[1], torch.dtype):
         return make(0, *structure)
     outs, kind = structure
-    made = [make(k, s, d) for k, (s, d) in enumerate(outs)]
-    if kind in (list, tuple):
-        return kind(made)
-    return kind(made)  # torch.return_types.* (values, indices) and other struct sequences
+    # list, tuple, torch.return_types.* (values, indices) and other struct sequences
+    return kind([make(k, s, d) for k, (s, d) in enumerate(outs)])
 
 
 def _node(g: Graph, op: Op, nodes, shape: tuple, key: tuple, attr: Any,
@@ -519,8 +517,14 @@ class _Plan:
         self.shared_at = tuple(i for i, s in enumerate(shared) if s)
         self.describe = "".join("[param]" if s else str(o[0])
                                 for s, o in zip(shared, call.operands))
-        # What `_core.record_planned` reads (csrc/capture.cpp): the hit path in one C call.
+        # What `_core.take_apart` reads on a hit (csrc/capture.cpp): the node in one C call.
         self.fast = (label, self.op, self.shape, dtype, self.attr, self.shared_at)
+
+    def append(self, call: _Call) -> Expression:
+        """This plan's node for `call`, as `take_apart` appends it on a hit."""
+        nodes = call.nodes
+        sig = (self.label, self, *[nodes[i] for i in self.shared_at])
+        return _node(call.graph, self.op, nodes, self.shape, sig, self.attr, self.dtype)
 
     def __repr__(self) -> str:
         return self.describe
@@ -539,24 +543,16 @@ def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable
     recipe = build(call)
     plan = recipe if recipe is NotImplemented else _Plan(call, *recipe)
     _PLANS[(handler, call.key, call.operands, call.params)] = plan
-    if plan is NotImplemented:
-        return NotImplemented
-    return _direct(plan.label, call, plan.attr[0], (), plan.shape, plan.dtype, plan.attr[1],
-                   plan.op is _DIRECT_CHEAP, plan)
+    return plan if plan is NotImplemented else plan.append(call)
 
 
 def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
-            dtype: torch.dtype, shared: tuple[bool, ...] | None = None, cheap=False,
-            plan: "_Plan | None" = None) -> Expression:
-    """A node whose kernel is `batched_fn(batch operands, *consts)`; consts and operand shapes
-    (shared operands: their nodes) make the signature (with a plan: the plan and the shared
-    operands' nodes, as the plan's later calls have it)."""
+            dtype: torch.dtype, shared: tuple[bool, ...] | None = None,
+            cheap=False) -> Expression:
+    """A node whose kernel is `batched_fn(batch operands, *consts)`, for calls without a plan;
+    consts and operand shapes (shared operands: their nodes) make the signature."""
     shared = call.shared() if shared is None else shared
-    if plan is not None:
-        nodes = call.nodes
-        key = (plan.label, plan, *[nodes[i] for i in plan.shared_at])
-    else:
-        key = (name, batched_fn, _key(consts) if consts else (), _signature(call, shared))
+    key = (name, batched_fn, _key(consts) if consts else (), _signature(call, shared))
     return _node(call.graph, _DIRECT_CHEAP if cheap else DIRECT, call.nodes, shape, key,
                  (batched_fn, shared, consts), dtype)
 
@@ -596,6 +592,7 @@ def _shifted(func: Callable, dim_arg: int, name: str | None = None, cheap: bool 
             return NotImplemented
         if not isinstance(dim, int) or isinstance(dim, bool):
             return NotImplemented  # named dims, lists of dims: generic
+
         def build(call):
             if call.args[0].__class__ is not _Slot:
                 return NotImplemented
@@ -731,6 +728,7 @@ def getitem(x: Expression, key: Any) -> Any:
                              "tensors are valid indices")
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
         return _generic(torch.Tensor.__getitem__, (x, key), {})
+
     def build(call):
         shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
         return ("getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,),

@@ -28,7 +28,6 @@ import torch
 
 from . import _core, signatures
 from .errors import ExecutionError
-from .graph import ParameterView
 from .scheduling import Schedule
 
 if TYPE_CHECKING:
@@ -92,9 +91,7 @@ def _refresh_parameters(graph: "Graph") -> None:
     for node in graph.parameter_nodes:
         if node >= graph.n_done:
             break  # computed by this forward's own parameter kernel
-        tensor = graph.attr_of(node)
-        if isinstance(tensor, ParameterView):  # `U_f[0]`: taken from the parameter now
-            tensor = tensor()
+        tensor = graph.parameter_value(node)  # a view (`U_f[0]`) is taken anew
         batch, _ = graph.position(node)
         cached = graph.values[batch]
         if cached.data_ptr() == tensor.data_ptr() and cached.shape[1:] == tensor.shape:

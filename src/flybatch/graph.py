@@ -71,10 +71,7 @@ def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
 
 def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
     (node,) = nodes  # a parameter is one node per graph, never batched with another
-    value = graph.attr_of(node)
-    if isinstance(value, ParameterView):
-        value = value()
-    return value.unsqueeze(0)
+    return graph.parameter_value(node).unsqueeze(0)
 
 
 class ParameterView:
@@ -305,6 +302,11 @@ class Graph(_core.Store):
             self.parameter_nodes.append(node)
             self.set_parameter_tag(node, signatures.tag(self, tensor))
         return node
+
+    def parameter_value(self, node: int) -> torch.Tensor:
+        """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
+        value = self.attr_of(node)
+        return value() if isinstance(value, ParameterView) else value
 
     def parameter_view_node(self, tensor: torch.Tensor, key: Any, key_id: Any) -> int:
         """The one node of `tensor[key]` in this graph (`key_id`: a hashable form of `key`)."""
