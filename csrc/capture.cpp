@@ -36,21 +36,6 @@ PyObject* s_close = nullptr;            // ")"
 PyObject* s_bar = nullptr;              // "|"
 PyObject* s_slice = nullptr;            // "slice"
 
-struct Ref {  // owns one reference
-  PyObject* o;
-  explicit Ref(PyObject* o) : o(o) {
-    if (!o) throw PythonError{};
-  }
-  ~Ref() { Py_XDECREF(o); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  PyObject* release() {
-    PyObject* out = o;
-    o = nullptr;
-    return out;
-  }
-};
-
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
 }
@@ -76,8 +61,8 @@ struct TakeApart {
       Py_DECREF(id);
       if (shadowed < 0) throw PythonError{};
       if (shadowed) {
-        Ref node{PyObject_CallFunctionObjArgs(g_node_of_tensor, graph, x, nullptr)};
-        const i64 v = PyLong_AsLongLong(node.o);
+        Owned node{PyObject_CallFunctionObjArgs(g_node_of_tensor, graph, x, nullptr)};
+        const i64 v = PyLong_AsLongLong(node.get());
         if (v == -1 && PyErr_Occurred()) throw PythonError{};
         return v;
       }
@@ -87,17 +72,17 @@ struct TakeApart {
 
   PyObject* slot(i64 node, bool from_weight) {  // new reference: the _Slot
     append(key, s_hash);
-    Ref index{PyLong_FromSsize_t(PyList_GET_SIZE(nodes))};
-    Ref id{PyLong_FromLongLong(node)};
-    append(nodes, id.o);
+    Owned index{PyLong_FromSsize_t(PyList_GET_SIZE(nodes))};
+    Owned id{PyLong_FromLongLong(node)};
+    append(nodes, id.get());
     append(weight, from_weight ? Py_True : Py_False);
-    return PyObject_CallOneArg(g_slot_type, index.o);
+    return PyObject_CallOneArg(g_slot_type, index.get());
   }
 
   // (shape, dtype) and parameter flag of every operand, once all are resolved: resolving a
   // parameter may fix the graph's dtype (the first floating one met), so it is read after.
   void describe_operands() {
-    Ref dtype{PyObject_GetAttr(graph, s_dtype)};
+    Owned dtype{PyObject_GetAttr(graph, s_dtype)};
     const Py_ssize_t n = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* id = PyList_GET_ITEM(nodes, i);
@@ -105,8 +90,8 @@ struct TakeApart {
       PyObject* node_dtype = PyDict_GetItemWithError(node_dtypes, id);  // borrowed
       if (!node_dtype && PyErr_Occurred()) throw PythonError{};
       PyObject* shape = (*g->shape_tuples)[g->nodes->shape[node]];
-      Ref operand{PyTuple_Pack(2, shape, node_dtype ? node_dtype : dtype.o)};
-      append(operands, operand.o);
+      Owned operand{PyTuple_Pack(2, shape, node_dtype ? node_dtype : dtype.get())};
+      append(operands, operand.get());
       append(params, g->nodes->op[node] == parameter_code ? Py_True : Py_False);
     }
   }
@@ -127,14 +112,14 @@ struct TakeApart {
     if (is_tuple || is_list) {
       append(key, is_tuple ? s_open_tuple : s_open_list);
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
-      Ref out{is_tuple ? PyTuple_New(n) : PyList_New(n)};
+      Owned out{is_tuple ? PyTuple_New(n) : PyList_New(n)};
       for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* item = templ(PySequence_Fast_GET_ITEM(x, i), from_weight);
         if (!item) throw PythonError{};
         if (is_tuple)
-          PyTuple_SET_ITEM(out.o, i, item);
+          PyTuple_SET_ITEM(out.get(), i, item);
         else
-          PyList_SET_ITEM(out.o, i, item);
+          PyList_SET_ITEM(out.get(), i, item);
       }
       append(key, s_close);
       return out.release();
@@ -143,13 +128,13 @@ struct TakeApart {
       PySliceObject* sl = reinterpret_cast<PySliceObject*>(x);
       auto plain = [](PyObject* v) { return v == Py_None || PyLong_CheckExact(v); };
       if (plain(sl->start) && plain(sl->stop) && plain(sl->step)) {
-        Ref k{PyTuple_Pack(4, s_slice, sl->start, sl->stop, sl->step)};
-        append(key, k.o);
+        Owned k{PyTuple_Pack(4, s_slice, sl->start, sl->stop, sl->step)};
+        append(key, k.get());
         return Py_NewRef(x);
       }
     }
-    Ref k{PyObject_CallOneArg(g_key_of, x)};
-    append(key, k.o);
+    Owned k{PyObject_CallOneArg(g_key_of, x)};
+    append(key, k.get());
     return Py_NewRef(x);
   }
 };
@@ -163,32 +148,33 @@ bool in_weights(PyObject* weights, PyObject* which) {
 
 // The node of a call by its handler's plan: `plan.fast` is (label, op, shape, dtype, attr,
 // shared_at); the signature is (label, plan, nodes of the shared operands).
-PyObject* append_planned(Store* g, PyObject* graph, PyObject* plan, PyObject* nodes,
+PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
                          PyObject* node_dtypes) {
-  Ref fast{PyObject_GetAttr(plan, s_fast)};
-  if (!PyTuple_Check(fast.o) || PyTuple_GET_SIZE(fast.o) != 6)
+  Owned fast{PyObject_GetAttr(plan, s_fast)};
+  if (!PyTuple_Check(fast.get()) || PyTuple_GET_SIZE(fast.get()) != 6)
     raise(PyExc_TypeError, "take_apart: plan.fast must be a 6-tuple");
-  PyObject* shared_at = PyTuple_GET_ITEM(fast.o, 5);
+  PyObject* shared_at = PyTuple_GET_ITEM(fast.get(), 5);
   const Py_ssize_t n_shared = PyTuple_GET_SIZE(shared_at);
-  Ref sig{PyTuple_New(2 + n_shared)};
-  PyTuple_SET_ITEM(sig.o, 0, Py_NewRef(PyTuple_GET_ITEM(fast.o, 0)));
-  PyTuple_SET_ITEM(sig.o, 1, Py_NewRef(plan));
+  Owned sig{PyTuple_New(2 + n_shared)};
+  PyTuple_SET_ITEM(sig.get(), 0, Py_NewRef(PyTuple_GET_ITEM(fast.get(), 0)));
+  PyTuple_SET_ITEM(sig.get(), 1, Py_NewRef(plan));
   for (Py_ssize_t i = 0; i < n_shared; ++i) {
     const Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(shared_at, i));
     if (at < 0 || at >= PyTuple_GET_SIZE(nodes)) raise(PyExc_IndexError, "plan.shared_at");
-    PyTuple_SET_ITEM(sig.o, 2 + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
+    PyTuple_SET_ITEM(sig.get(), 2 + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
   }
-  PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.o, 1), nodes, PyTuple_GET_ITEM(fast.o, 2),
-                           sig.o, PyTuple_GET_ITEM(fast.o, 4)};
-  Ref out{PyObject_VectorcallMethod(s_add, add_args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
+  PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.get(), 1), nodes,
+                           PyTuple_GET_ITEM(fast.get(), 2),
+                           sig.get(), PyTuple_GET_ITEM(fast.get(), 4)};
+  Owned out{
+      PyObject_VectorcallMethod(s_add, add_args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
   // Outputs not of the graph's floating dtype (indices, masks) are recorded per node.
-  PyObject* dtype = PyTuple_GET_ITEM(fast.o, 3);
-  Ref graph_dtype{PyObject_GetAttr(graph, s_dtype)};
-  if (dtype != graph_dtype.o) {
-    Ref id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.o)->id)};
-    if (PyDict_SetItem(node_dtypes, id.o, dtype) < 0) throw PythonError{};
+  PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
+  Owned graph_dtype{PyObject_GetAttr(graph, s_dtype)};
+  if (dtype != graph_dtype.get()) {
+    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
+    if (PyDict_SetItem(node_dtypes, id.get(), dtype) < 0) throw PythonError{};
   }
-  (void)g;
   return out.release();
 }
 
@@ -212,53 +198,57 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     TakeApart t{};
     t.g = g;
     t.graph = argv[0];
-    Ref shadows{PyObject_GetAttr(argv[0], s_shadows)};
-    t.shadows = PyDict_Check(shadows.o) && PyDict_GET_SIZE(shadows.o) ? shadows.o : nullptr;
-    Ref node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
-    if (!PyDict_Check(node_dtypes.o)) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
-    t.node_dtypes = node_dtypes.o;
-    Ref nodes{PyList_New(0)}, operands{PyList_New(0)}, params{PyList_New(0)},
+    Owned shadows{PyObject_GetAttr(argv[0], s_shadows)};
+    t.shadows =
+        PyDict_Check(shadows.get()) && PyDict_GET_SIZE(shadows.get()) ? shadows.get() : nullptr;
+    Owned node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
+    if (!PyDict_Check(node_dtypes.get()))
+      raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+    t.node_dtypes = node_dtypes.get();
+    Owned nodes{PyList_New(0)}, operands{PyList_New(0)}, params{PyList_New(0)},
         weight{PyList_New(0)}, key{PyList_New(0)};
-    t.nodes = nodes.o;
-    t.operands = operands.o;
-    t.params = params.o;
-    t.weight = weight.o;
-    t.key = key.o;
+    t.nodes = nodes.get();
+    t.operands = operands.get();
+    t.params = params.get();
+    t.weight = weight.get();
+    t.key = key.get();
     t.parameter_code = op_code(g_parameter_op);
 
     PyObject* args = argv[1];
     const Py_ssize_t n = PyTuple_GET_SIZE(args);
-    Ref args_template{PyTuple_New(n)};
+    Owned args_template{PyTuple_New(n)};
     for (Py_ssize_t i = 0; i < n; ++i) {
-      Ref position{PyLong_FromSsize_t(i)};
-      PyObject* item = t.templ(PyTuple_GET_ITEM(args, i), in_weights(argv[3], position.o));
+      Owned position{PyLong_FromSsize_t(i)};
+      PyObject* item = t.templ(PyTuple_GET_ITEM(args, i), in_weights(argv[3], position.get()));
       if (!item) throw PythonError{};
-      PyTuple_SET_ITEM(args_template.o, i, item);
+      PyTuple_SET_ITEM(args_template.get(), i, item);
     }
-    Ref kwargs_template{PyDict_New()};
+    Owned kwargs_template{PyDict_New()};
     if (argv[2] != Py_None && PyDict_GET_SIZE(argv[2])) {
-      append(key.o, s_bar);
+      append(key.get(), s_bar);
       PyObject *name, *value;
       Py_ssize_t pos = 0;
       while (PyDict_Next(argv[2], &pos, &name, &value)) {
-        append(key.o, name);
-        Ref item{t.templ(value, in_weights(argv[3], name))};
-        if (PyDict_SetItem(kwargs_template.o, name, item.o) < 0) throw PythonError{};
+        append(key.get(), name);
+        Owned item{t.templ(value, in_weights(argv[3], name))};
+        if (PyDict_SetItem(kwargs_template.get(), name, item.get()) < 0) throw PythonError{};
       }
     }
     t.describe_operands();
-    Ref key_tuple{PyList_AsTuple(key.o)};
-    Ref nodes_tuple{PyList_AsTuple(nodes.o)}, operands_tuple{PyList_AsTuple(operands.o)},
-        params_tuple{PyList_AsTuple(params.o)}, weight_tuple{PyList_AsTuple(weight.o)};
+    Owned key_tuple{PyList_AsTuple(key.get())};
+    Owned nodes_tuple{PyList_AsTuple(nodes.get())}, operands_tuple{PyList_AsTuple(operands.get())},
+        params_tuple{PyList_AsTuple(params.get())}, weight_tuple{PyList_AsTuple(weight.get())};
     if (argc == 5 && argv[4] != Py_None) {  // a handler's call: its plan, if it has one
-      Ref plan_key{PyTuple_Pack(4, argv[4], key_tuple.o, operands_tuple.o, params_tuple.o)};
-      PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.o);  // borrowed
+      Owned plan_key{PyTuple_Pack(4, argv[4], key_tuple.get(), operands_tuple.get(),
+                                  params_tuple.get())};
+      PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
       if (plan == Py_NotImplemented) return Py_NewRef(Py_NotImplemented);
-      if (plan) return append_planned(g, argv[0], plan, nodes_tuple.o, node_dtypes.o);
+      if (plan) return append_planned(argv[0], plan, nodes_tuple.get(), node_dtypes.get());
     }
-    return PyTuple_Pack(7, args_template.o, kwargs_template.o, nodes_tuple.o, operands_tuple.o,
-                        params_tuple.o, weight_tuple.o, key_tuple.o);
+    return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
+                        operands_tuple.get(), params_tuple.get(), weight_tuple.get(),
+                        key_tuple.get());
   } catch (const PythonError&) {
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
@@ -268,7 +258,7 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 
 const char kConfigureDoc[] =
     "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans)\n\n"
-    "What take_apart and record_planned build and call: capture._Slot, capture._key, "
+    "What take_apart builds and calls: capture._Slot, capture._key, "
     "graph.PARAMETER, capture.node_of_tensor, capture._PLANS.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {

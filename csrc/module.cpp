@@ -454,25 +454,8 @@ PyObject* py_signature_ranks(PyObject*, PyObject* args, PyObject* kwargs) {
 
 // ---- the execution stage -----------------------------------------------------------------------
 
-// A new reference, or the Python error unwinds.
-PyObject* checked(PyObject* object) {
-  if (!object) throw PythonError{};
-  return object;
-}
-
-// Owns a new reference until released into a container that steals it.
-class Owned {
- public:
-  explicit Owned(PyObject* object) : object_(checked(object)) {}
-  ~Owned() { Py_XDECREF(object_); }
-  Owned(const Owned&) = delete;
-  Owned& operator=(const Owned&) = delete;
-  PyObject* get() const { return object_; }
-  PyObject* release() { return std::exchange(object_, nullptr); }
-
- private:
-  PyObject* object_;
-};
+using flybatch::checked;
+using flybatch::Owned;
 
 PyObject* int_tuple(const i64* items, std::size_t n) {
   Owned tuple(PyTuple_New(static_cast<Py_ssize_t>(n)));

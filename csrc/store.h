@@ -11,6 +11,7 @@
 #include <cstring>
 #include <new>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace flybatch {
@@ -21,6 +22,26 @@ using i64 = std::int64_t;
 struct PythonError {};
 
 [[noreturn]] void raise(PyObject* type, const char* format, ...);
+
+// A new reference, or the Python error unwinds.
+inline PyObject* checked(PyObject* object) {
+  if (!object) throw PythonError{};
+  return object;
+}
+
+// Owns a new reference until released into a container that steals it.
+class Owned {
+ public:
+  explicit Owned(PyObject* object) : object_(checked(object)) {}
+  ~Owned() { Py_XDECREF(object_); }
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+  PyObject* get() const { return object_; }
+  PyObject* release() { return std::exchange(object_, nullptr); }
+
+ private:
+  PyObject* object_;
+};
 
 // The storage of a column is a Python object (a `Block`, which exports it as a read-only
 // buffer) so that a numpy view of a column stays valid however the column grows: growing copies
