@@ -59,7 +59,6 @@ namespace {
 
 PyObject* s_operand = nullptr;  // "_operand"
 PyObject* s_lookup_tag = nullptr;
-PyObject* s_requires_grad = nullptr;
 PyObject* g_ops_module = nullptr;  // flybatch.ops, for _embedding_args and _integer
 PyObject* g_rules[8] = {};          // the operator rules: + - * / @ neg pick slice
 
@@ -155,14 +154,11 @@ i64 node_of(Store* g, PyObject* x) {
                            "(create them in the current graph)", x);
     raise(g_graph_error, "%R belongs to another graph; one op cannot mix two graphs", x);
   }
+  // A parameter seen before. Not re-checked here (`x.requires_grad` costs ~2 us through the
+  // capture mode): switching requires_grad off inside a graph block makes the mode call
+  // Store.forget, and the next use asks `Graph._operand` again (then an input).
   const auto parameter = g->parameters->find(x);
-  if (parameter != g->parameters->end()) {
-    // Still a parameter? (requires_grad may have been switched off since: then an input.)
-    PyObject* grad = PyObject_GetAttr(x, s_requires_grad);
-    if (!grad) throw PythonError{};
-    Py_DECREF(grad);
-    if (grad == Py_True) return parameter->second;
-  }
+  if (parameter != g->parameters->end()) return parameter->second;
   std::uint64_t bits = 0;
   const bool number = PyFloat_CheckExact(x);
   if (number) {  // the constant of these bits, if this graph has made it already
@@ -498,18 +494,25 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
   GraphRef ref(graph == Py_None ? graph_of(nullptr, 0)
                                 : reinterpret_cast<Store*>(Py_NewRef(graph)));
   Store* g = ref.g;
-  PyObject* size = PyObject_GetAttrString(table, "shape");
-  if (!size) throw PythonError{};
-  Release size_ref{size};
-  if (PyTuple_GET_SIZE(size) != 2) {
-    PyObject* plain = PySequence_Tuple(size);  // (3,), not torch.Size([3])
-    if (!plain) throw PythonError{};
-    PyErr_Format(g_shape_error, "lookup: the table must be a matrix, got shape %R", plain);
-    Py_DECREF(plain);
-    throw PythonError{};
+  std::pair<i64, i64> table_size;  // (rows, cols), remembered once the graph holds the table
+  const auto known = g->table_shapes->find(table);
+  if (known == g->table_shapes->end()) {
+    PyObject* size = PyObject_GetAttrString(table, "shape");
+    if (!size) throw PythonError{};
+    Release size_ref{size};
+    if (PyTuple_GET_SIZE(size) != 2) {
+      PyObject* plain = PySequence_Tuple(size);  // (3,), not torch.Size([3])
+      if (!plain) throw PythonError{};
+      PyErr_Format(g_shape_error, "lookup: the table must be a matrix, got shape %R", plain);
+      Py_DECREF(plain);
+      throw PythonError{};
+    }
+    table_size = {PyLong_AsLongLong(PyTuple_GET_ITEM(size, 0)),
+                  PyLong_AsLongLong(PyTuple_GET_ITEM(size, 1))};
+  } else {
+    table_size = known->second;
   }
-  const i64 rows = PyLong_AsLongLong(PyTuple_GET_ITEM(size, 0));
-  const i64 cols = PyLong_AsLongLong(PyTuple_GET_ITEM(size, 1));
+  const auto [rows, cols] = table_size;
   const i64 i = integer("lookup", argv[1]);
   if (!(0 <= i && i < rows))
     raise(PyExc_IndexError, "lookup: index %lld out of range for a table of %lld rows",
@@ -523,6 +526,7 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
       throw PythonError{};
     }
   }
+  if (known == g->table_shapes->end()) g->table_shapes->emplace(table, table_size);  // held by tag
   const std::int32_t shape = intern_shape(g, &cols, 1);
   const bool no_grad = false;  // a leaf: no inputs, so no grad mode of its own
   PyObject* sparse_flag = is_sparse ? Py_True : Py_False;
@@ -1034,8 +1038,7 @@ PyMappingMethods expression_mapping = [] {
 bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
-  s_requires_grad = PyUnicode_InternFromString("requires_grad");
-  return s_operand && s_lookup_tag && s_requires_grad && PyType_Ready(&RuleType) == 0 &&
+  return s_operand && s_lookup_tag && PyType_Ready(&RuleType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }

@@ -281,6 +281,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->scalars = new std::unordered_map<std::uint64_t, i64>();
     s->table_tags = new std::unordered_map<PyObject*, PyObject*>();
     s->parameters = new std::unordered_map<PyObject*, i64>();
+    s->table_shapes = new std::unordered_map<PyObject*, std::pair<i64, i64>>();
     for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
@@ -317,6 +318,7 @@ void clear_caches(Store* s) {
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
+  if (s->table_shapes) s->table_shapes->clear();
   for (auto* attrs : s->lookup_attrs) {
     if (!attrs) continue;
     std::unordered_map<PyObject*, PyObject*> held;
@@ -359,6 +361,7 @@ void store_dealloc(PyObject* self) {
   delete s->scalars;
   delete s->table_tags;
   delete s->parameters;
+  delete s->table_shapes;
   for (auto* attrs : s->lookup_attrs) delete attrs;
   Py_TYPE(self)->tp_free(self);
 }
@@ -617,6 +620,14 @@ PyObject* store_parameter_tag(PyObject* self, PyObject* arg) {
   });
 }
 
+// A tensor whose requires_grad, data or size was rebound: its next use asks Python again.
+PyObject* store_forget(PyObject* self, PyObject* tensor) {
+  Store* s = as_store(self);
+  if (s->parameters) s->parameters->erase(tensor);
+  if (s->table_shapes) s->table_shapes->erase(tensor);
+  Py_RETURN_NONE;
+}
+
 PyObject* store_close(PyObject* self, PyObject*) {
   Store* s = as_store(self);
   s->closed = 1;
@@ -653,6 +664,10 @@ PyMethodDef kStoreMethods[] = {
      METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},
     {"parameter_tag", store_parameter_tag, METH_O,
      "parameter_tag(node): the node's tag if it is a parameter, else None"},
+    {"forget", store_forget, METH_O,
+     "forget(tensor): drop what the rules cached about a tensor (whether it is a parameter,\n"
+     "an embedding table's size); the capture mode calls it when requires_grad, .data or the\n"
+     "size of a tensor is rebound inside a graph block"},
     {"close", store_close, METH_NOARGS,
      "close(): no node can be added any more; frees the attrs (the tensors held for kernels)"},
     {nullptr, nullptr, 0, nullptr},

@@ -156,6 +156,10 @@ struct Store {
   std::unordered_map<std::uint64_t, i64>* scalars;       // bits of a float -> constant node
   std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
   std::unordered_map<PyObject*, i64>* parameters;        // parameter tensor -> its node
+  // embedding table -> (rows, cols) as first seen. Like `parameters`, read without asking the
+  // tensor: inside a graph block every tensor attribute read goes through the capture mode
+  // (~2 us). A rebinding (`requires_grad_`, `.data =`, `set_`...) forgets the tensor (Store.forget).
+  std::unordered_map<PyObject*, std::pair<i64, i64>>* table_shapes;
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;

@@ -44,6 +44,29 @@ def test_a_parameter_whose_grad_is_switched_off_is_an_input_from_then_on():
         assert g.op_of(g.args_of(second.id)[0]).name == "input"
 
 
+def test_setting_requires_grad_false_makes_it_an_input_too_and_true_again_a_parameter():
+    W = torch.nn.Parameter(torch.ones(2, 2))
+    with fb.Graph() as g:
+        x = fb.input(torch.ones(2))
+        first = W @ x
+        W.requires_grad = False
+        second = W @ x
+        W.requires_grad = True
+        third = W @ x
+        kinds = [g.op_of(g.args_of(e.id)[0]).name for e in (first, second, third)]
+        assert kinds == ["parameter", "input", "parameter"]
+
+
+def test_a_table_rebound_to_more_rows_inside_a_graph_is_looked_up_by_its_new_size():
+    E = torch.nn.Parameter(torch.ones(3, 2))
+    with fb.Graph():
+        fb.lookup(E, 2)
+        with pytest.raises(IndexError, match="out of range for a table of 3 rows"):
+            fb.lookup(E, 4)
+        E.data = torch.arange(10.0).reshape(5, 2)
+        assert fb.lookup(E, 4).value().tolist() == [8.0, 9.0]
+
+
 def test_an_lstm_sequence_makes_the_nodes_of_its_steps():
     torch.manual_seed(0)
     cell = fb.nn.LSTMCell(3, 4)

@@ -93,6 +93,16 @@ _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride 
 # (detach / to / cpu... of a parameter itself: `state_dict()`, `model.to(...)`, checkpointing
 # inside a graph block work on the tensors, as they must; on an expression they are recorded.)
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
+# Calls that rebind what the graph's rules remember of a tensor without asking it again
+# (whether it is a parameter, an embedding table's size; `Store.forget`). They run as they are.
+_REBINDS = frozenset({"requires_grad_", "detach_", "set_", "resize_", "resize_as_"})
+_REBOUND_ATTRIBUTES = frozenset({"requires_grad", "data"})  # `p.requires_grad = False`, `.data =`
+
+
+def _forget(tensor) -> None:
+    graph = _current.get()
+    if graph is not None and not graph.closed and isinstance(tensor, torch.Tensor):
+        graph.forget(tensor)
 
 
 def _involves_graph(func, types, args, kwargs) -> bool:
@@ -108,7 +118,10 @@ def _involves_graph(func, types, args, kwargs) -> bool:
         owner = getattr(func, "__self__", None)
         if getattr(owner, "__name__", "") not in _RECORDED_PROPERTIES:
             return False
-    elif name in _DESCRIBE:
+    elif name in _DESCRIBE or name in _REBINDS:
+        if name in _REBINDS or name == "__set__" and \
+                getattr(getattr(func, "__self__", None), "__name__", "") in _REBOUND_ATTRIBUTES:
+            _forget(args[0])
         return False
     graph = _current.get()
     shadows = graph.shadows if graph is not None and not graph.closed else None

@@ -13,6 +13,10 @@ whole result in backward. So a result read in pieces by several later batches is
 once, right after it is computed: `torch.split` into its runs when the reads are disjoint runs,
 else one `index_select` of every piece's rows, split: its backward fills a single zero tensor
 and adds every piece's gradient in.
+A result of an EARLIER forward (the parser's encoder states, read by each of ~100 later steps)
+cannot be fanned out once, since its readers come one forward at a time: its partial reads go
+through a `_GradientSink` instead, whose backward adds each read's gradient into one buffer
+per result (one zero tensor per result, not one per read).
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -48,7 +52,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
     for source in [s for s in fan_outs if s < plan.first_batch]:
-        _fan_out(graph, source, fan_outs[source], indices, pieces)
+        _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
     for nodes, (arg_reads, stacked, arities) in zip(plan.batches, batch_reads):
         first = int(nodes[0])
@@ -57,7 +61,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
             size = len(nodes)
-            xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
+            xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch)
+                  for r in arg_reads]
             if op.ragged:  # each node's number of list items
                 attr = indices.numpy[arities:arities + size]
             else:
@@ -81,7 +86,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
             graph.launches.append((graph.sig_of(first), size))
         source = len(values) - 1
         if source in fan_outs:
-            _fan_out(graph, source, fan_outs[source], indices, pieces)
+            _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -139,7 +144,7 @@ class _Indices:
 
 
 def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
-             pieces: dict[int, torch.Tensor]) -> None:
+             pieces: dict[int, torch.Tensor], first_batch: int) -> None:
     """Cut a result read in pieces into those pieces at once, so that backward builds one
     gradient tensor for it instead of one zero-filled copy per piece."""
     tensor = graph.values[source]
@@ -147,18 +152,25 @@ def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
         return  # no backward to protect: the reads run as plain views and selects
     read_ids, gather, sizes, piece_of = fan_out
     if gather is None:  # disjoint runs: views of the result; backward concatenates
-        whole = tensor
+        if source < first_batch:  # an earlier forward's result: each run into its sink
+            starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+            parts = [_sink(graph, source).read(None, start, size)
+                     for start, size in zip(starts, sizes)]
+        else:
+            parts = torch.split(tensor, sizes)
         graph.gathers_avoided += len(read_ids)
     else:  # one gather of every read's rows; backward adds them into one zero tensor
-        whole = tensor.index_select(0, indices.rows(gather, sum(sizes), tensor))
+        rows = indices.rows(gather, sum(sizes), tensor)
+        whole = _sink(graph, source).read(rows) if source < first_batch else \
+            tensor.index_select(0, rows)
+        parts = torch.split(whole, sizes)
         graph.gathers += len(read_ids)
-    parts = torch.split(whole, sizes)
     for k, piece in zip(read_ids, piece_of):
         pieces[k] = parts[piece]
 
 
 def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
-             pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+             pieces: dict[int, torch.Tensor], first_batch: int) -> torch.Tensor:
     piece = pieces.pop(k, None)
     if piece is not None:
         return piece
@@ -167,18 +179,94 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
     if kind == "view":
         _, source, start, length = read
         graph.gathers_avoided += 1
-        return _rows(graph.values[source], start, length)
+        tensor = graph.values[source]
+        if source < first_batch and tensor.requires_grad and length < tensor.shape[0]:
+            return _sink(graph, source).read(None, start, length)
+        return _rows(tensor, start, length)
     if kind == "rows":
         _, source, at, length = read
         graph.gathers += 1
         tensor = graph.values[source]
-        return tensor.index_select(0, indices.rows(at, length, tensor))
+        rows = indices.rows(at, length, tensor)
+        if source < first_batch and tensor.requires_grad:
+            return _sink(graph, source).read(rows)
+        return tensor.index_select(0, rows)
     _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces) for p in parts])
+    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, first_batch)
+                         for p in parts])
     if inverse is None:
         return stacked
     return stacked.index_select(0, indices.rows(inverse, rows, stacked))
+
+
+# ---- reads of an earlier forward's results ----------------------------------------------------
+def _sink(graph: "Graph", source: int) -> "_GradientSink":
+    sink = graph.sinks.get(source)
+    tensor = graph.values[source]
+    if sink is None or sink.tensor is not tensor:  # (a parameter's value is re-read anew)
+        sink = graph.sinks[source] = _GradientSink(tensor)
+    return sink
+
+
+class _GradientSink:
+    """Where the gradients of every partial read of one result meet, in backward.
+
+    Autograd's own `index_select` / `narrow` backward makes a zero tensor the size of the
+    whole result per read, and adds them: O(reads x result) for a result read by many later
+    forwards. Here each read (`_SinkRead`) adds its gradient rows into ONE buffer, and the
+    sink's `token` (a 0-dim output of `_Collect`, an input of every read) hands the buffer to
+    the result's own backward once all reads have run: the engine runs `_Collect`'s backward
+    only after every function that consumed the token. Equal gradients, by construction.
+    """
+
+    __slots__ = ("tensor", "grad", "token")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.grad: torch.Tensor | None = None
+        self.token = _Collect.apply(tensor, self)
+
+    def read(self, rows: torch.Tensor | None, start: int = 0, length: int = 0) -> torch.Tensor:
+        """Rows `rows` of the result (or the run start..start+length), tracked by the sink."""
+        return _SinkRead.apply(self.token, self, rows, start, length)
+
+    def add(self, rows: torch.Tensor | None, start: int, grad: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.tensor)
+        if rows is None:
+            self.grad.narrow(0, start, grad.shape[0]).add_(grad)
+        else:
+            self.grad.index_add_(0, rows, grad)
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad = self.grad, None  # a second backward (retain_graph) starts afresh
+        return grad
+
+
+class _Collect(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, sink):
+        ctx.sink = sink
+        return tensor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.sink.take(), None
+
+
+class _SinkRead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, sink, rows, start, length):
+        ctx.sink, ctx.rows, ctx.start = sink, rows, start
+        if rows is None:
+            return sink.tensor.narrow(0, start, length)
+        return sink.tensor.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.add(ctx.rows, ctx.start, grad)
+        return grad.new_zeros(()), None, None, None, None
 
 
 def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:

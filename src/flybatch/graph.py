@@ -248,6 +248,7 @@ class Graph(_core.Store):
         # computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
+        self.sinks: dict[int, Any] = {}  # batch -> its gradient sink (execution._GradientSink)
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
         self.gathers_avoided = 0
@@ -507,6 +508,7 @@ class Graph(_core.Store):
         """Free the values (and the autograd graph behind them); further use raises GraphError."""
         super().close()
         self.values = []
+        self.sinks = {}
         self._leaf_nodes = {}
         self.tags = {}
         self.shadows = {}
