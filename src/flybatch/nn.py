@@ -383,7 +383,7 @@ class GRUCell(FusedModule):
         if h is None:
             h = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
         H = self.hidden_size
-        return self._fused(GRU_CELL, (x, h), ((self.weight_ih.shape[1],), (H,)),
+        return self._fused(GRU_CELL, (x, h), ((self.input_size,), (H,)),
                            ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), (H,))
 
     __call__ = forward
@@ -465,7 +465,9 @@ class TreeLSTMCell(FusedModule):
                  child_sum: bool = False):
         super().__init__()
         H = self.hidden_size = hidden_size
-        self.arity, self.child_sum = arity, child_sum
+        # Sizes are plain ints, not read off the parameters per call: inside a graph block
+        # every tensor attribute read goes through the capture mode (~2 us).
+        self.input_size, self.arity, self.child_sum = input_size, arity, child_sum
         self.W_iou = nn.Parameter(torch.empty(3 * H, input_size))
         self.b_iou = nn.Parameter(torch.empty(3 * H))
         self.b_f = nn.Parameter(torch.empty(H))
@@ -481,7 +483,7 @@ class TreeLSTMCell(FusedModule):
     def leaf(self, x: Operand) -> State:
         if self.child_sum:
             return self.forward([], x)
-        x_shape = (self.W_iou.shape[1],)
+        x_shape = (self.input_size,)
         out = self._fused(TREE_LEAF, (x,), (x_shape,), ("W_iou", "b_iou"),
                           (2 * self.hidden_size,))
         return State(out, self.hidden_size)
@@ -492,7 +494,7 @@ class TreeLSTMCell(FusedModule):
         expect = ((2 * H,),) * len(inputs)
         if x is not None:
             inputs.append(x)
-            expect += ((self.W_iou.shape[1],),)
+            expect += ((self.input_size,),)
         if self.child_sum:
             if x is None:
                 raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
@@ -516,7 +518,7 @@ class TreeLSTMCell(FusedModule):
                 raise ops.ShapeError(f"tree_lstm_child_sum: child {k} has [h; c] of shape "
                                      f"{state.shape}, expected {(2 * H,)}")
         nodes = [table[name] for name in CHILD_SUM_PARAMS] + [g.node_of(s) for s in states]
-        return _core.fused(TREE_CHILD_SUM, (x,), ((self.W_iou.shape[1],),), tag, nodes,
+        return _core.fused(TREE_CHILD_SUM, (x,), ((self.input_size,),), tag, nodes,
                            (2 * H,), None)
 
     __call__ = forward
