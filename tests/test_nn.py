@@ -320,3 +320,36 @@ def test_nn_blocks_are_torch_modules_with_ordinary_parameters():
     state = model.state_dict()
     assert state and all(isinstance(v, torch.Tensor) for v in state.values())
     assert len(list(model.parameters())) == len(state)
+
+
+def test_building_with_fb_ops_and_modules_costs_no_capture_dispatch_per_op(monkeypatch):
+    # Inside a graph block every torch call and tensor attribute read goes through the capture
+    # mode (~2 us each). The fb path must not pay it per op: a few per graph (first use of each
+    # parameter) at most, however many nodes are built.
+    from flybatch import capture
+
+    dispatched = []
+    original = capture._Capture.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        dispatched.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(capture._Capture, "__torch_function__", counting)
+    torch.manual_seed(0)
+    tree_cell, lstm_cell, gru_cell = fb.nn.TreeLSTMCell(IN, H), fb.nn.LSTMCell(IN, H), \
+        fb.nn.GRUCell(IN, H)
+    E, W, b = (torch.nn.Parameter(torch.randn(*s)) for s in ((10, IN), (H, H), (H,)))
+
+    def build(n):
+        with fb.Graph():
+            for i in range(n):
+                x = fb.lookup(E, i % 10)
+                leaves = [tree_cell.leaf(x), tree_cell.leaf(x)]
+                h = tree_cell(leaves).h + lstm_cell(x).h + gru_cell(x, fb.zeros(H))
+                fb.pick_neg_log_softmax(fb.affine(W, fb.tanh(h), b), i % H)
+        count = len(dispatched)
+        dispatched.clear()
+        return count
+
+    assert build(50) == build(5)
