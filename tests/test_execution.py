@@ -10,6 +10,7 @@ exactly the rows its nodes' arguments live in.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -257,3 +258,77 @@ def test_every_read_gathers_exactly_the_rows_its_nodes_arguments_live_in(steps):
                 for k, piece in zip(read_ids, piece_of):
                     wanted = [row for _, row in planned.positions(k, planned.reads[k][3])]
                     assert list(rows[starts[piece]:starts[piece + 1]]) == wanted
+
+
+# ---- reads of an earlier forward's results: one gradient buffer per result ----------------------
+# Step patterns of rows read from a 12-row encoder result by each later forward: scattered,
+# a run, out of order with a repeat.
+STEP_ROWS = [lambda s: [s % 12, (s + 5) % 12], lambda s: [3, 4, 5], lambda s: [11, 0, 7, 7]]
+
+
+def _encoder_then_steps(W, E, rows, backwards):
+    """Encode 12 tokens in one forward, then 6 forwards that each score some encoder rows;
+    backward `backwards` times (retain_graph between); the gradients of the last one."""
+    with fb.Graph() as g:
+        states = [fb.tanh(W @ fb.lookup(E, i)) for i in range(12)]
+        g.forward()
+        losses = []
+        for step in range(6):
+            losses += [fb.sum_elems(fb.tanh(W @ states[r])) for r in rows(step)]
+            g.forward()
+        loss = fb.esum(losses)
+        for _ in range(backwards):
+            W.grad = E.grad = None
+            loss.backward(retain_graph=True)
+    return W.grad, E.grad
+
+
+@pytest.mark.parametrize("rows", STEP_ROWS)
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_reads_of_an_earlier_forward_give_eager_gradients_also_on_a_second_backward(rows,
+                                                                                   backwards):
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(12, 4, dtype=torch.float64))
+    states = [torch.tanh(W @ E[i]) for i in range(12)]
+    eager = sum(torch.tanh(W @ states[r]).sum() for step in range(6) for r in rows(step))
+    expected = torch.autograd.grad(eager, (W, E))
+    for got, want in zip(_encoder_then_steps(W, E, rows, backwards), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one_per_read():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FullSizeZeros(TorchDispatchMode):
+        """Counts the tensors of the encoder result's size that backward zero-fills."""
+
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like,
+                                       torch.ops.aten.new_zeros, torch.ops.aten.fill_,
+                                       torch.ops.aten.zero_) and \
+                    isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+                self.count += 1
+            return out
+
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4))
+    E = torch.nn.Parameter(torch.randn(12, 4))
+    with fb.Graph() as g:
+        states = [fb.tanh(W @ fb.lookup(E, i)) for i in range(12)]
+        g.forward()
+        encoder = g.values[g.position(states[0].id)[0]]
+        losses = []
+        for step in range(20):  # 20 later forwards, each reading two scattered rows
+            losses += [fb.sum_elems(W @ states[(step * 5 + k) % 12]) for k in (0, 7)]
+            g.forward()
+        loss = fb.esum(losses)
+        counting = FullSizeZeros(tuple(encoder.shape))
+        with counting:
+            loss.backward()
+    assert counting.count == 1
