@@ -154,11 +154,17 @@ i64 node_of(Store* g, PyObject* x) {
                            "(create them in the current graph)", x);
     raise(g_graph_error, "%R belongs to another graph; one op cannot mix two graphs", x);
   }
-  // A parameter seen before. Not re-checked here (`x.requires_grad` costs ~2 us through the
-  // capture mode): switching requires_grad off inside a graph block makes the mode call
-  // Store.forget, and the next use asks `Graph._operand` again (then an input).
+  // A parameter seen before: still one? Inside a graph block (a torch function mode on) the
+  // capture mode reports `requires_grad_(False)` and the like through Store.forget, so the
+  // entry is trusted there; elsewhere asking the tensor is cheap (no mode to dispatch to).
   const auto parameter = g->parameters->find(x);
-  if (parameter != g->parameters->end()) return parameter->second;
+  if (parameter != g->parameters->end()) {
+    if (torch_function_mode_enabled()) return parameter->second;
+    PyObject* grad = PyObject_GetAttrString(x, "requires_grad");
+    if (!grad) throw PythonError{};
+    Py_DECREF(grad);
+    if (grad == Py_True) return parameter->second;
+  }
   std::uint64_t bits = 0;
   const bool number = PyFloat_CheckExact(x);
   if (number) {  // the constant of these bits, if this graph has made it already
@@ -495,7 +501,11 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
                                 : reinterpret_cast<Store*>(Py_NewRef(graph)));
   Store* g = ref.g;
   std::pair<i64, i64> table_size;  // (rows, cols), remembered once the graph holds the table
-  const auto known = g->table_shapes->find(table);
+  auto known = g->table_shapes->find(table);
+  if (known != g->table_shapes->end() && !torch_function_mode_enabled()) {
+    g->table_shapes->erase(known);  // no mode reports a rebind of `.data` here: read it again
+    known = g->table_shapes->end();
+  }
   if (known == g->table_shapes->end()) {
     PyObject* size = PyObject_GetAttrString(table, "shape");
     if (!size) throw PythonError{};

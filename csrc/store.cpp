@@ -25,6 +25,14 @@ PyObject* g_graph_error = nullptr;
 PyObject* g_current_graph = nullptr;
 PyObject* g_shape_error = nullptr;
 PyObject* g_tensor_type = nullptr;
+PyObject* g_mode_enabled = nullptr;
+
+bool torch_function_mode_enabled() {
+  PyObject* on = PyObject_CallNoArgs(g_mode_enabled);
+  if (!on) throw PythonError{};
+  Py_DECREF(on);
+  return on == Py_True;
+}
 
 namespace {
 
@@ -757,15 +765,16 @@ PyGetSetDef kExpressionGetSet[] = {
 
 const char kConfigureDoc[] =
     "configure(expression_type, graph_error, shape_error, is_grad_enabled, current_graph,\n"
-    "          tensor_type)\n\n"
+    "          tensor_type, mode_enabled)\n\n"
     "What the core creates and calls: the Expression subclass of new handles, the errors of a\n"
     "closed graph and of shapes, torch's grad-mode query, the current graph of ops given no\n"
-    "expression, and torch.Tensor. graph.py calls it once at import.";
+    "expression, torch.Tensor and torch's query whether a torch function mode is on. graph.py\n"
+    "calls it once at import.";
 
 PyObject* configure(PyObject*, PyObject* args) {
-  PyObject *type, *error, *shape_error, *grad, *current, *tensor;
-  if (!PyArg_ParseTuple(args, "O!OOOOO:configure", &PyType_Type, &type, &error, &shape_error,
-                        &grad, &current, &tensor))
+  PyObject *type, *error, *shape_error, *grad, *current, *tensor, *mode_enabled;
+  if (!PyArg_ParseTuple(args, "O!OOOOOO:configure", &PyType_Type, &type, &error, &shape_error,
+                        &grad, &current, &tensor, &mode_enabled))
     return nullptr;
   if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &ExpressionBase) ||
       reinterpret_cast<PyTypeObject*>(type)->tp_basicsize != sizeof(Expression)) {
@@ -779,6 +788,7 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_XSETREF(g_shape_error, Py_NewRef(shape_error));
   Py_XSETREF(g_current_graph, Py_NewRef(current));
   Py_XSETREF(g_tensor_type, Py_NewRef(tensor));
+  Py_XSETREF(g_mode_enabled, Py_NewRef(mode_enabled));
   Py_RETURN_NONE;
 }
 

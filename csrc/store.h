@@ -156,9 +156,8 @@ struct Store {
   std::unordered_map<std::uint64_t, i64>* scalars;       // bits of a float -> constant node
   std::unordered_map<PyObject*, PyObject*>* table_tags;  // embedding table -> ("P", k)
   std::unordered_map<PyObject*, i64>* parameters;        // parameter tensor -> its node
-  // embedding table -> (rows, cols) as first seen. Like `parameters`, read without asking the
-  // tensor: inside a graph block every tensor attribute read goes through the capture mode
-  // (~2 us). A rebinding (`requires_grad_`, `.data =`, `set_`...) forgets the tensor (Store.forget).
+  // embedding table -> (rows, cols) as first seen. Like `parameters`, trusted without asking
+  // the tensor again while a torch function mode is on (see torch_function_mode_enabled).
   std::unordered_map<PyObject*, std::pair<i64, i64>>* table_shapes;
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
   i64 n_done;                        // nodes computed by earlier forwards
@@ -176,6 +175,12 @@ extern PyObject* g_graph_error;     // errors.GraphError
 extern PyObject* g_current_graph;   // graph.current_graph
 extern PyObject* g_shape_error;     // errors.ShapeError
 extern PyObject* g_tensor_type;     // torch.Tensor
+extern PyObject* g_mode_enabled;    // torch._C._is_torch_function_mode_enabled
+
+// Whether torch function modes are on in this thread (the capture mode of a graph block): then
+// a tensor attribute read costs a mode dispatch (~2 us), and the mode reports rebinds of
+// requires_grad / data (Store.forget), so the rules may trust what they remember of a tensor.
+bool torch_function_mode_enabled();
 extern PyTypeObject ExpressionBase;
 
 i64 n_nodes(const Store* s);

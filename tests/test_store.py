@@ -57,6 +57,25 @@ def test_setting_requires_grad_false_makes_it_an_input_too_and_true_again_a_para
         assert kinds == ["parameter", "input", "parameter"]
 
 
+def test_switching_requires_grad_off_is_seen_by_a_default_graph_and_a_graph_not_entered():
+    W = torch.nn.Parameter(torch.ones(2, 2))
+    x = fb.input(torch.ones(2))  # no `with`: the default graph, where no capture mode runs
+    first = W @ x
+    W.requires_grad_(False)
+    second = W @ x
+    g = fb.current_graph()
+    assert [g.op_of(g.args_of(e.id)[0]).name for e in (first, second)] == ["parameter", "input"]
+    W.requires_grad_(True)
+    other = fb.Graph()  # built on explicitly while another graph's block (its mode) runs
+    with fb.Graph():
+        y = fb.input(torch.ones(2), graph=other)
+        first = W @ y
+        W.requires_grad_(False)
+        second = W @ y
+        kinds = [other.op_of(other.args_of(e.id)[0]).name for e in (first, second)]
+        assert kinds == ["parameter", "input"]
+
+
 def test_a_table_rebound_to_more_rows_inside_a_graph_is_looked_up_by_its_new_size():
     E = torch.nn.Parameter(torch.ones(3, 2))
     with fb.Graph():

@@ -45,7 +45,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops
 from .errors import ShapeError
-from .graph import PARAMETER, Expression, Graph, Op, _current, current_graph
+from .graph import (PARAMETER, Expression, Graph, Op, _current, current_graph,
+                    live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -100,9 +101,10 @@ _REBOUND_ATTRIBUTES = frozenset({"requires_grad", "data"})  # `p.requires_grad =
 
 
 def _forget(tensor) -> None:
-    graph = _current.get()
-    if graph is not None and not graph.closed and isinstance(tensor, torch.Tensor):
-        graph.forget(tensor)
+    if isinstance(tensor, torch.Tensor):
+        for graph in list(live_graphs):  # rare: a handful of graphs at most are alive
+            if not graph.closed:
+                graph.forget(tensor)
 
 
 def _involves_graph(func, types, args, kwargs) -> bool:

@@ -16,6 +16,7 @@ import numbers
 import struct
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -248,6 +249,7 @@ class Graph(_core.Store):
         # computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
+        live_graphs.add(self)
         self.sinks: dict[int, Any] = {}  # batch -> its gradient sink (execution._GradientSink)
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
@@ -567,6 +569,11 @@ _current: contextvars.ContextVar[Graph | None] = contextvars.ContextVar("flybatc
                                                                         default=None)
 
 
+# Every graph not yet freed: a rebind of a tensor's requires_grad or data inside a graph block
+# is reported to each (`capture._forget`, `Store.forget`), whichever graph remembers it.
+live_graphs: "weakref.WeakSet[Graph]" = weakref.WeakSet()
+
+
 def current_graph() -> Graph:
     """The current graph of this thread or task; a fresh default graph if there is none."""
     graph = _current.get()
@@ -597,4 +604,4 @@ def new_graph(strategy: str = "auto", device: str | torch.device | None = None,
 
 
 _core.configure(Expression, GraphError, ShapeError, torch._C.is_grad_enabled, current_graph,
-                torch.Tensor)
+                torch.Tensor, torch._C._is_torch_function_mode_enabled)
