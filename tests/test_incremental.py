@@ -164,3 +164,10 @@ def test_control_flow_on_computed_values_matches_eager(strategy):
     expected = eager.run(eager, strategy, torch.float64, build, list(P.values()))
     actual = eager.run(fb, strategy, torch.float64, build, list(P.values()))
     eager.assert_same(actual, expected, torch.float64)
+
+
+def test_forward_given_a_generator_of_new_expressions_returns_their_values():
+    x = torch.arange(3.0)
+    with fb.Graph() as g:
+        values = g.forward(fb.tanh(fb.input(x)) * k for k in (1.0, 2.0))
+        torch.testing.assert_close(torch.stack(values), torch.stack([x.tanh(), 2 * x.tanh()]))
