@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import flybatch as fb
 from flybatch import _core
+from flybatch.bench import optimum
 
 
 # ---- ranks and the lower bound, against their definitions ------------------------------------
@@ -145,6 +146,35 @@ def test_tight_bound_lies_between_the_lower_bound_and_the_optimum(nodes):
     graph = _tiny_graph(nodes)
     tight = _core.lower_bound(**graph, tight=True)
     assert _core.lower_bound(**graph) <= tight <= _optimum(graph)
+
+
+@settings(max_examples=300)
+@given(nodes=TINY)
+def test_the_a_star_optimum_is_the_breadth_first_one(nodes):
+    """flybatch.bench.optimum (A* with the lower bound as heuristic and the all-ready rule)
+    finds the optimum that plain breadth-first search finds."""
+    graph = _tiny_graph(nodes)
+    problem = optimum.problem_of_lists(graph["sigs"], graph["arg_end"], graph["arg_flat"],
+                                       [s == 0 for s in graph["sigs"]])
+    assert optimum.optimum(problem) == _optimum(graph)
+
+
+@settings(max_examples=150)
+@given(steps=st.lists(STEP, min_size=1, max_size=24))
+def test_auto_against_the_exact_optimum_on_random_graphs(steps):
+    """No bound above the optimum (that would be a bug), no schedule below it, and auto never
+    above depth."""
+    launches = {}
+    for strategy in ("depth", "auto"):
+        with fb.Graph(strategy=strategy) as g:
+            _random_graph(steps)
+            g.forward()
+            stats = g.stats()
+            launches[strategy] = stats.batches
+            if strategy == "auto":
+                best = optimum.graph_optimum(g)
+                assert stats.lower_bound <= stats.tight_bound <= best <= stats.batches
+    assert launches["auto"] <= launches["depth"]
 
 
 def test_tight_bound_counts_two_signatures_met_in_both_orders():
