@@ -447,9 +447,13 @@ Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<O
 // the ready nodes of every group of its signature (ready nodes never depend on each other),
 // which on mixed-operator DAGs and shift-reduce stacks saves a quarter to a half of the
 // launches (bench quality: random-dag 65 -> 45, spinn 165 -> 117).
+//
+// `limit`: stop once the plan has that many launches (it cannot beat a schedule already found);
+// the plan is then incomplete, its `launches` equal to the limit.
 Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
                    const Signatures& sigs, const std::vector<OpFlags>& flags,
-                   const std::vector<std::int32_t>* height, bool merge) {
+                   const std::vector<std::int32_t>* height, bool merge,
+                   i64 limit = INT64_MAX) {
   const Local n = nodes.n;
   const i64 n_groups = static_cast<i64>(groups.size.size());
   std::vector<Local> waiting = edges.inputs;
@@ -524,6 +528,108 @@ Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
     if (!std::is_sorted(batch, batch + size))  // it became ready in pieces
       std::sort(batch, batch + size);          // a batch lists its nodes in id order
     plan.add(batch, size, !flags[sigs.of[batch[0]]].leaf);
+    if (plan.launches >= limit) break;
+    for (std::size_t i = 0; i < size; ++i)
+      for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
+        if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
+  }
+  return plan;
+}
+
+// How `list_schedule` ranks the signatures with ready nodes, from the heights (longest path
+// to the end of the forward) of their ready nodes.
+enum class Priority {
+  highest,      // the highest ready node, then the most ready nodes: the critical path
+  highest_sum,  // the highest ready node's height plus the number of ready nodes
+  squares,      // the sum of the squared heights: many long paths, each weighed by its length
+};
+
+// A list scheduler over signatures rather than (signature, rank) groups: a launch of signature
+// s takes EVERY ready node of s (more computed nodes never delay a later launch, so an optimal
+// schedule exists among these), and the only choice is which signature runs next.
+//
+// One rule is exact: when every node of s not yet run is ready, launching s now is in some
+// optimal schedule (an optimal one runs those nodes in later launches of s; one launch of all
+// of them now instead makes every input available as early or earlier, and the later launches
+// of s are then empty). Such signatures run first (leaves, which launch nothing, among them).
+// Otherwise `priority` picks. Against the exact optimum (bench/optimum.py) on small graphs,
+// the critical path with this rule comes closer than the ranked agenda's rule of complete
+// groups first on mixed-operator DAGs (random-dag), and the other two priorities on
+// shift-reduce stacks (spinn); `auto` keeps whichever launches least.
+//
+// Cost: each node joins its signature's ready list once and pushes one heap entry (an entry
+// whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes).
+Plan list_schedule(const Nodes& nodes, const Edges& edges, const Signatures& sigs,
+                   const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
+                   Priority priority, i64 limit = INT64_MAX) {
+  const Local n = nodes.n;
+  const auto n_sigs = static_cast<std::int32_t>(sigs.count());
+  std::vector<Local> waiting = edges.inputs;
+  // Per signature: its nodes not yet run, its ready nodes (a contiguous range of `slots` per
+  // signature, filled in the order they become ready: begin + taken .. begin + filled), the
+  // height of its highest ready node and its key.
+  std::vector<Local> left(n_sigs, 0);
+  for (Local v = 0; v < n; ++v) ++left[sigs.of[v]];
+  std::vector<Local> slots(n);
+  std::vector<i64> begin(n_sigs, 0), filled(n_sigs, 0), taken(n_sigs, 0);
+  std::partial_sum(left.begin(), left.end() - 1, begin.begin() + 1);
+  std::vector<std::int32_t> top(n_sigs, -1);
+  std::vector<double> key(n_sigs, 0.0);
+  // Signatures whose key changed since the last pick are pushed once, at the next pick: an
+  // entry per launch and signature, not per node. An entry whose key is stale is skipped.
+  std::vector<std::int32_t> dirty, safe;
+  std::vector<bool> is_dirty(n_sigs, false);
+  std::priority_queue<std::pair<double, std::int32_t>> by_key;  // (key, -signature)
+  auto make_ready = [&](Local v) {
+    const std::int32_t s = sigs.of[v];
+    slots[begin[s] + filled[s]++] = v;
+    const double h = height[v];
+    top[s] = std::max(top[s], height[v]);
+    const double count = static_cast<double>(filled[s] - taken[s]);
+    switch (priority) {
+      case Priority::highest: key[s] = top[s] * (static_cast<double>(n) + 1) + count; break;
+      case Priority::highest_sum: key[s] = top[s] + count; break;
+      case Priority::squares: key[s] += h * h + 1; break;
+    }
+    if (filled[s] - taken[s] == left[s]) {
+      safe.push_back(s);  // every node of s not yet run is ready
+    } else if (!is_dirty[s]) {
+      is_dirty[s] = true;
+      dirty.push_back(s);
+    }
+  };
+  for (Local v = 0; v < n; ++v)
+    if (waiting[v] == 0) make_ready(v);
+  Plan plan;
+  plan.order.reserve(n);
+  while (plan.launches < limit) {
+    std::int32_t s = -1;
+    while (!safe.empty() && s < 0) {
+      const std::int32_t t = safe.back();
+      safe.pop_back();
+      if (filled[t] > taken[t]) s = t;  // else already run
+    }
+    if (s < 0) {
+      for (std::int32_t t : dirty) {
+        is_dirty[t] = false;
+        if (filled[t] > taken[t]) by_key.emplace(key[t], -t);
+      }
+      dirty.clear();
+      while (s < 0 && !by_key.empty()) {
+        const auto [k, minus] = by_key.top();
+        by_key.pop();
+        if (filled[-minus] > taken[-minus] && k == key[-minus]) s = -minus;
+      }
+    }
+    if (s < 0) break;  // nothing ready: all nodes run
+    Local* batch = &slots[begin[s] + taken[s]];
+    const auto size = static_cast<std::size_t>(filled[s] - taken[s]);
+    taken[s] = filled[s];
+    left[s] -= static_cast<Local>(size);
+    key[s] = 0.0;
+    top[s] = -1;
+    if (!std::is_sorted(batch, batch + size)) std::sort(batch, batch + size);
+    plan.add(batch, size, !flags[s].leaf);
     for (std::size_t i = 0; i < size; ++i)
       for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
         if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
@@ -540,34 +646,51 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
   return true;
 }
 
-// The fewest launches among several schedules, each linear in nodes + edges: the ranked agenda
-// with its critical-path fallback, merging groups and not; the same with DyNet's fallback; the
-// depth rule and its latest-possible twin. The first to reach the groups' lower bound ends the
-// search (the first alone does on every family of bench/workloads.py where the bound can be
-// reached); otherwise the fewest launches win (the earliest on ties), so `auto` is never worse
-// than `depth` or `agenda` on any graph.
+// The fewest launches among several schedules, each linear in nodes + edges (the list
+// schedules: nodes log nodes): the ranked agenda with its critical-path fallback, merging
+// groups; the signature list schedules (critical path first, then two ways of weighing many
+// long paths); the agenda merging groups with DyNet's fallback; the depth rule; the ranked
+// agenda without merging, with either fallback; the depth rule's latest-possible twin. The
+// first to reach the groups' lower bound ends the search (the first alone does on every family
+// of bench/workloads.py where the bound can be reached); otherwise the fewest launches win (the
+// earliest on ties), so `auto` is never worse than `depth` or `agenda` on any graph. A
+// candidate stops as soon as it has as many launches as the best so far (it cannot win), so
+// the losers cost a fraction of a run: scheduling stays at 0.2-0.35 us per node on the families
+// that miss the bound.
+//
+// Which wins where (20 instances, seed 0): the list schedule by critical path on random-dag
+// (45 -> 38 launches) and calculator (28 -> 27, the tight bound: optimal), by squared heights
+// on spinn (117 -> 106); the merged agenda with DyNet's fallback on hierarchical-rnn; the
+// first on the tree families.
 Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
                      const std::vector<OpFlags>& flags) {
   if (one_depth_per_signature(nodes, sigs)) return by_key(nodes, sigs, flags, nodes.depth);
   const Groups groups = groups_of(nodes, sigs, flags);
   const Edges edges(nodes);
   const std::vector<std::int32_t> height = heights_of(nodes);
+  Plan best;
   auto agenda = [&](const std::vector<std::int32_t>* by_height, bool merge) {
-    return ranked_agenda(nodes, groups, edges, sigs, flags, by_height, merge);
+    return ranked_agenda(nodes, groups, edges, sigs, flags, by_height, merge, best.launches);
+  };
+  auto list = [&](Priority priority) {
+    return list_schedule(nodes, edges, sigs, flags, height, priority, best.launches);
   };
   const std::function<Plan()> candidates[] = {
-      [&] { return agenda(&height, false); },
+      [&] { return list(Priority::highest); },
+      [&] { return list(Priority::squares); },
+      [&] { return list(Priority::highest_sum); },
       [&] { return agenda(nullptr, true); },
-      [&] { return agenda(nullptr, false); },
       [&] { return by_key(nodes, sigs, flags, nodes.depth); },
+      [&] { return agenda(&height, false); },
+      [&] { return agenda(nullptr, false); },
       [&] {
         return by_key(nodes, sigs, flags, as_late_as_possible(nodes, sigs, flags, height).data());
       },
   };
-  Plan best = agenda(&height, true);
+  best = ranked_agenda(nodes, groups, edges, sigs, flags, &height, true);
   for (const auto& candidate : candidates) {
     if (best.launches == groups.bound) break;
-    Plan plan = candidate();
+    Plan plan = candidate();  // stops at best.launches launches, incomplete, if it cannot win
     if (plan.launches < best.launches) best = std::move(plan);
   }
   return best;
