@@ -135,22 +135,24 @@ def test_mismatched_losses_fail_loudly():
         runner.check_losses("x", {"eager": 10.0, "agenda": 10.5})
 
 
-def test_treelstm_torch_native_mode_trains_like_eager(datasets):
-    """The Tree-LSTM's eager code, unchanged inside a graph: same loss, gradients, predictions."""
+@pytest.mark.parametrize("mode", ["torch-native", "fb-unfused"])
+def test_treelstm_torch_native_and_unfused_modes_train_like_eager(datasets, mode):
+    """The Tree-LSTM's eager code, unchanged inside a graph (torch-native) or transcribed op for
+    op into fb ops (fb-unfused): same loss, gradients, predictions as eagerly."""
     data = datasets["treelstm"]
     batch = next(minibatches(data.train, BATCH, seed=0))
     task = create("treelstm", data, "cpu", seed=0)
-    assert "torch-native" in task.modes()
+    assert mode in task.modes()
     runs = {}
-    for mode in ("eager", "torch-native"):
-        r = task.step(mode, batch, train=True)
+    for m in ("eager", mode):
+        r = task.step(m, batch, train=True)
         grads = {n: p.grad.to_dense().clone() for n, p in task.params.items()}
         for p in task.params.values():
             p.grad = None
-        runs[mode] = (r, grads, task.step(mode, data.dev[:BATCH], train=False).predictions)
-    (eager, eager_grads, eager_preds), (native, native_grads, native_preds) = runs.values()
-    assert native.loss == pytest.approx(eager.loss, rel=1e-5)
-    assert native.stats.batches < native.stats.nodes / 4
-    assert native_preds == eager_preds
-    for n, g in native_grads.items():
+        runs[m] = (r, grads, task.step(m, data.dev[:BATCH], train=False).predictions)
+    (eager, eager_grads, eager_preds), (other, other_grads, other_preds) = runs.values()
+    assert other.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert other.stats.batches < other.stats.nodes / 4
+    assert other_preds == eager_preds
+    for n, g in other_grads.items():
         torch.testing.assert_close(g, eager_grads[n], rtol=1e-3, atol=1e-4, msg=n)

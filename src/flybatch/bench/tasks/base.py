@@ -54,7 +54,7 @@ from flybatch.bench.tasks_data import TaskData
 MODES = ("eager", "none", "depth", "agenda", "auto", "manual")  # every task implements these
 FLYBATCH_MODES = ("none", "depth", "agenda", "auto")
 # Modes that only some tasks implement (``Task.TASK_EXTRA_MODES``), in report order.
-EXTRA_MODES = ("parser-auto", "parser-seq", "torch-native")
+EXTRA_MODES = ("parser-auto", "parser-seq", "torch-native", "fb-unfused")
 
 
 @dataclass

@@ -14,7 +14,10 @@ names for DyNet.
   in one batched cell; one ``cross_entropy`` over all nodes;
 * torch-native: the eager code, unchanged, inside ``fb.Graph(strategy="auto")`` (the capture
   layer records its torch calls as nodes); evaluation runs the trees under ``fb.map_batched``,
-  since the eager code asks for each tree's prediction with ``int(...argmax())``.
+  since the eager code asks for each tree's prediction with ``int(...argmax())``;
+* fb-unfused: the eager code transcribed op for op into ``fb`` ops (``fb.affine``,
+  ``fb.logistic``, ``fb.slice_rows``...; no fused cell): what torch-native records, written
+  by hand, so that the two differ only in the cost of capturing torch calls.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ GATES = ("i", "o", "u")
 
 class TreeLSTM(Task):
     name = "treelstm"
-    TASK_EXTRA_MODES = {"torch-native": "auto"}
+    TASK_EXTRA_MODES = {"torch-native": "auto", "fb-unfused": "auto"}
 
     def __init__(self, data: TaskData, device="cpu", seed: int = 0):
         super().__init__(data, device, seed)
@@ -114,9 +117,51 @@ class TreeLSTM(Task):
         return int(F.linear(self._eager_tree(tree, False)[0], self.W_out, self.b_out).argmax())
 
     def forward_mode(self, mode, batch, train):
+        if mode == "fb-unfused":
+            return self.forward_unfused(batch, train)
         if train:
             return self.forward_eager(batch, train)
         return fb.map_batched(self._eager_prediction, batch)
+
+    # ---- fb-unfused: the eager code, op for op in fb ops ------------------------------------
+    @staticmethod
+    def _unfused_finish(iou: fb.Expression, c: fb.Expression | None):
+        H = HIDDEN
+        i, o, u = (fb.slice_rows(iou, k * H, (k + 1) * H) for k in range(3))
+        cell = fb.logistic(i) * fb.tanh(u)
+        if c is not None:
+            cell = cell + c
+        return fb.logistic(o) * fb.tanh(cell), cell
+
+    def _unfused_tree(self, tree, losses: list | None):
+        state = {}
+        U_f = [self.U_f[0], self.U_f[1]]  # the stacked forget weights' two views
+        for node in tree_nodes(tree):
+            if not node.children:
+                x = fb.lookup(self.E, node.word, sparse=True)
+                h, c = self._unfused_finish(fb.affine(self.W_iou, x, self.b_iou), None)
+            else:
+                (h1, c1), (h2, c2) = (state.pop(id(ch)) for ch in node.children)
+                iou = fb.affine(self.U_iou, fb.concat([h1, h2]), self.b_iou)
+                f1 = fb.logistic(fb.affine(U_f[0], h1, self.b_f))
+                f2 = fb.logistic(fb.affine(U_f[1], h2, self.b_f))
+                h, c = self._unfused_finish(iou, f1 * c1 + f2 * c2)
+            state[id(node)] = (h, c)
+            if losses is not None:
+                losses.append(fb.pick_neg_log_softmax(
+                    fb.affine(self.W_out, h, self.b_out), node.label))
+        return state[id(tree)][0]
+
+    def forward_unfused(self, batch, train):
+        if not train:
+            logits = [fb.affine(self.W_out, self._unfused_tree(t, None), self.b_out)
+                      for t in batch]
+            values = fb.current_graph().forward(logits)
+            return torch.stack(values).argmax(1).tolist()
+        losses = []
+        for t in batch:
+            self._unfused_tree(t, losses)
+        return fb.esum(losses)
 
     # ---- flybatch: the same per-node code ----------------------------------------------------
     def _fb_tree(self, tree, losses: list | None):
