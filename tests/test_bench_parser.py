@@ -61,7 +61,7 @@ def test_registered():
 
 
 def test_extra_modes_are_the_parsers_and_treelstms_only_and_known_to_the_cli():
-    own = {"parser": {"parser-auto", "parser-seq"}, "treelstm": {"torch-native"}}
+    own = {"parser": {"parser-auto", "parser-seq"}, "treelstm": {"torch-native", "fb-unfused"}}
     for name in TASKS:
         extra = set(task_class(name).TASK_EXTRA_MODES)
         assert extra <= set(EXTRA_MODES), name

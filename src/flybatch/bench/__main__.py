@@ -24,7 +24,7 @@ import sys
 # set before torch is imported.
 TASKS = ("bilstm-synthetic", "bilstm", "bilstm-char", "treelstm", "parser")
 MODES = ("eager", "none", "depth", "agenda", "auto", "manual", "parser-auto", "parser-seq",
-         "torch-native", "dynet-noauto", "dynet-depth", "dynet-agenda")
+         "torch-native", "fb-unfused", "dynet-noauto", "dynet-depth", "dynet-agenda")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
