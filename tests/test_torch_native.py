@@ -797,6 +797,28 @@ def test_tensor_api_on_an_expression_matches_torch(probe):
     torch.testing.assert_close(p.grad, eager_x.grad, rtol=0, atol=ATOL)
 
 
+def test_the_pieces_of_a_chunk_batch_across_instances():
+    """chunk / split / unbind give one slice node per piece, and each piece batches over
+    every instance (in this graph and, by the same recipe, in the next one)."""
+    p = nn.Parameter(torch.randn(4, 6))
+    want = [(a * b + c) for a, b, c in (p[i].chunk(3) for i in range(4))]
+    want += [(a * b + c) for a, b, c in (p[i].split(2) for i in range(4))]
+    want += [p[i].view(3, 2).unbind(1)[1] for i in range(4)]
+    for _ in range(2):
+        with fb.Graph(strategy="agenda") as g:
+            xs = [p[i] * 1.0 for i in range(4)]
+            got = [(a * b + c) for a, b, c in (x.chunk(3) for x in xs)]
+            got += [(a * b + c) for a, b, c in (torch.split(x, 2) for x in xs)]
+            got += [x.view(3, 2).unbind(1)[1] for x in xs]
+            values = g.forward(got)
+            stats = g.stats()
+        for value, expected in zip(values, want):
+            torch.testing.assert_close(value.detach(), expected.detach(), rtol=0, atol=ATOL)
+        # the rows of p, x; the 3 pieces of chunk and split (the same slices: one launch each),
+        # a * b, + c; the view, unbind's 2 pieces
+        assert stats.batches == 2 + 3 + 2 + 3, stats.by_signature
+
+
 def test_expression_describes_itself_like_a_tensor():
     w = nn.Parameter(torch.randn(2, 3))
     with fb.Graph():

@@ -512,51 +512,80 @@ DIRECT = Op("torch", _direct_kernel)
 # flags (its output shape from meta tensors, its batched kernel), kept per handler: a call that
 # meets a known (handler, constants, operands) only appends its node.
 _PLANS: dict[Any, Any] = {}
-_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS)
 
 
 class _Plan:
-    """A handler's node recipe for one (constants, operands) key. It stands in the signature
-    for all of that key (compared by identity: one plan per key), followed by the nodes of the
-    shared operands, so a signature stays a short tuple."""
+    """A handler's node recipe for one (constants, operands) key: the node's op, shape, dtype
+    and kernel attr, and its signature, `head` followed by the nodes of the shared operands
+    (parameters). A label as the head stands for (label, the plan itself), compared by
+    identity: one plan per key, so a signature stays a short tuple. A tuple head batches the
+    plan's nodes with any node of that head."""
 
-    __slots__ = ("label", "op", "shape", "dtype", "attr", "shared_at", "describe", "fast")
+    __slots__ = ("describe", "fast")
 
-    def __init__(self, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
-                 shared: tuple[bool, ...], cheap: bool):
-        self.label, self.shape, self.dtype = label, tuple(shape), dtype
-        self.op = _DIRECT_CHEAP if cheap else DIRECT
-        self.attr = (fn, shared, ())
-        self.shared_at = tuple(i for i, s in enumerate(shared) if s)
-        self.describe = "".join("[param]" if s else str(o[0])
-                                for s, o in zip(shared, call.operands))
+    def __init__(self, head: str | tuple, op: Op, shape: tuple, dtype: torch.dtype, attr: Any,
+                 shared_at: tuple[int, ...] = (), describe: str = ""):
+        self.describe = describe
+        head = head if type(head) is tuple else (head, self)
         # What `_core.take_apart` reads on a hit (csrc/capture.cpp): the node in one C call.
-        self.fast = (label, self.op, self.shape, dtype, self.attr, self.shared_at)
+        self.fast = (head, op, tuple(shape), dtype, attr, shared_at)
 
-    def append(self, call: _Call) -> Expression:
-        """This plan's node for `call`, as `take_apart` appends it on a hit."""
-        nodes = call.nodes
-        sig = (self.label, self, *[nodes[i] for i in self.shared_at])
-        return _node(call.graph, self.op, nodes, self.shape, sig, self.attr, self.dtype)
+    @classmethod
+    def direct(cls, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
+               shared: tuple[bool, ...], cheap: bool) -> "_Plan":
+        """A DIRECT node, `fn(batch operands)`, shared operands (`shared`) passed once."""
+        return cls(label, _DIRECT_CHEAP if cheap else DIRECT, shape, dtype, (fn, shared, ()),
+                   tuple(i for i, s in enumerate(shared) if s),
+                   "".join("[param]" if s else str(o[0]) for s, o in zip(shared, call.operands)))
+
+    def append(self, g: Graph, nodes: tuple) -> Expression:
+        """This plan's node over `nodes`, as `take_apart` appends it on a hit."""
+        return _core.append_planned(g, self, nodes)
 
     def __repr__(self) -> str:
         return self.describe
 
 
+class _Recipe:
+    """A plan whose nodes the handler makes itself (several nodes, or none): `take_apart`
+    returns it on a hit, and `_record` gives back `recipe.apply(args)`."""
+
+    __slots__ = ()
+
+    def apply(self, args: tuple) -> Any:
+        raise NotImplementedError
+
+
+_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS, _Plan)
+
+
+def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
+    """The plan of `handler` for `call`'s key, made by `build(call)` on first sight and kept:
+    a `_Plan`, a `_Recipe`, NotImplemented (the handler declines the key), or a tuple `(label,
+    batched_fn, shape, dtype, shared, cheap)` for a direct plan."""
+    key = (handler, call.key, call.operands, call.params)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build(call)
+        if type(plan) is tuple:
+            plan = _Plan.direct(call, *plan)
+        _PLANS[key] = plan
+    return plan
+
+
 def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable,
             weights: tuple = ()) -> Any:
-    """The node of a handler's call: by its plan for (constants, operands) when it has one (the
-    whole hit path is one C call), else by the plan `build(call)` makes, a recipe `(label,
-    batched_fn, shape, dtype, shared, cheap)` or NotImplemented, kept for the next calls."""
+    """What a handler's call gives by its plan for (constants, operands): the node of a
+    `_Plan` (when the plan is known, the whole path is one C call), a recipe's result, or
+    NotImplemented. An unknown key gets its plan from `build` (see `_plan_of`)."""
     g = _graph_of(args, kwargs or {})
-    parts = _core.take_apart(g, args, kwargs, weights, handler)
-    if type(parts) is not tuple:
-        return parts  # the node, or NotImplemented
-    call = _Call(args, kwargs or {}, g, weights, parts)
-    recipe = build(call)
-    plan = recipe if recipe is NotImplemented else _Plan(call, *recipe)
-    _PLANS[(handler, call.key, call.operands, call.params)] = plan
-    return plan if plan is NotImplemented else plan.append(call)
+    out = _core.take_apart(g, args, kwargs, weights, handler)
+    if type(out) is tuple:  # no plan yet: the call's parts
+        call = _Call(args, kwargs or {}, g, weights, out)
+        out = _plan_of(handler, call, build)
+        if type(out) is _Plan:
+            return out.append(g, call.nodes)
+    return out.apply(args) if isinstance(out, _Recipe) else out
 
 
 def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
@@ -742,42 +771,66 @@ def getitem(x: Expression, key: Any) -> Any:
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
         return _generic(torch.Tensor.__getitem__, (x, key), {})
 
-    def build(call):
-        shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
-        return ("getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,),
-                True)
+    return _record(getitem, (x, keys), None, _getitem_plan)
 
-    return _record(getitem, (x, keys), None, build)
+
+def _getitem_plan(call: _Call):
+    keys = call.args[1]  # the template keeps the index's constants as they are
+    shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
+    return "getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,), True
 
 
 ops._getitem = getitem
 
 
+class _Pieces(_Recipe):
+    """The pieces of a chunk / split / unbind: each the plan of a `getitem` (a slice, or an
+    index, of the batch), so the pieces at one position batch over the instances."""
+
+    __slots__ = ("kind", "plans")
+
+    def __init__(self, kind: type, plans: list[_Plan]):
+        self.kind, self.plans = kind, plans
+
+    def apply(self, args: tuple) -> Any:
+        x = args[0]
+        g, nodes = x.graph, (x.id,)
+        return self.kind([plan.append(g, nodes) for plan in self.plans])
+
+
 def _pieces(func: Callable, default_dim_at: int):
-    """chunk / split / unbind of an expression: each piece a slice (or an index) of the batch,
-    the cheap direct `getitem`, instead of computing the whole split once per piece."""
-    def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression) or any(isinstance(a, (torch.Tensor, Expression))
-                                                for a in args):
-            return NotImplemented
+    """chunk / split / unbind of an expression: its pieces by a `_Pieces` recipe (cheap direct
+    getitems), instead of computing the whole split once per piece."""
+    def build(call):
+        if len(call.nodes) != 1 or call.args[0].__class__ is not _Slot:
+            return NotImplemented  # split sizes in a tensor: generic
+        args, kwargs = call.args[1:], call.kwargs
         dim = kwargs.get("dim", args[default_dim_at] if len(args) > default_dim_at else 0)
         if not isinstance(dim, int) or isinstance(dim, bool):
             return NotImplemented
-        call = _Call((x,) + args, kwargs)
         structure = _meta_of(func, call)
         if isinstance(structure[1], torch.dtype):
             return NotImplemented
         shapes, kind = structure
-        ndim = len(x.shape)
-        d = _dim(dim, ndim, func.__name__) - 1
+        (shape, _), = call.operands
+        d = _dim(dim, len(shape), func.__name__) - 1
         lead = (slice(None),) * d
         if func in (torch.unbind, T.unbind):
-            return kind(getitem(x, lead + (i,)) for i in range(len(shapes)))
-        pieces, start = [], 0
-        for shape, _ in shapes:
-            pieces.append(getitem(x, lead + (slice(start, start + shape[d]),)))
-            start += shape[d]
-        return kind(pieces)
+            keys = [lead + (i,) for i in range(len(shapes))]
+        else:
+            ends = np.cumsum([0] + [piece[d] for piece, _ in shapes]).tolist()
+            keys = [lead + (slice(start, end),) for start, end in zip(ends, ends[1:])]
+        x = Expression(call.graph, call.nodes[0])
+        plans = [_plan_of(getitem, _Call((x, key), {}, call.graph), _getitem_plan)
+                 for key in keys]
+        if any(type(plan) is not _Plan for plan in plans):
+            return NotImplemented
+        return _Pieces(kind, plans)
+
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression):
+            return NotImplemented
+        return _record(handler, (x,) + args, kwargs, build)
     return handler
 
 
