@@ -819,6 +819,24 @@ def test_the_pieces_of_a_chunk_batch_across_instances():
         assert stats.batches == 2 + 3 + 2 + 3, stats.by_signature
 
 
+def test_a_reshape_keeps_its_dtype_and_batches_only_with_its_own():
+    """Views of one shape in several dtypes: each keeps its dtype, views of one dtype share a
+    launch and views of different dtypes never do; a view to the same shape is the input."""
+    p = nn.Parameter(torch.randn(2, 3))
+    want = [p.view(-1), (p > 0).long().view(-1), p.float().view(-1), (p * 2).view(-1)]
+    with fb.Graph(strategy="agenda") as g:
+        x = p * 1.0
+        assert x.view(2, 3) is x and x.contiguous() is x
+        views = [x.view(-1), (x > 0).long().view(-1), x.float().view(-1), (x * 2).view(-1)]
+        got = g.forward(views)
+        launches = g.stats().batches
+    for value, expected in zip(got, want):
+        assert value.dtype == expected.dtype
+        torch.testing.assert_close(value.detach(), expected.detach(), rtol=0, atol=0)
+    # x, x > 0, long, float, x * 2; the views: one per dtype
+    assert launches == 5 + 3
+
+
 def test_expression_describes_itself_like_a_tensor():
     w = nn.Parameter(torch.randn(2, 3))
     with fb.Graph():

@@ -556,6 +556,16 @@ class _Recipe:
         raise NotImplementedError
 
 
+class _Same(_Recipe):
+    """The call returns its first operand itself (`x.view(x.shape)`, `x.contiguous()`)."""
+
+    __slots__ = ()
+
+    def apply(self, args: tuple) -> Any:
+        return args[0]
+
+
+_SAME = _Same()
 _core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS, _Plan)
 
 
@@ -947,19 +957,25 @@ def _transpose_batched(dim0, dim1, batch):
 
 
 def _reshape_like(func: Callable):
-    """view / reshape / flatten / squeeze / unsqueeze...: fb.reshape to the meta shape."""
+    """view / reshape / flatten / squeeze / unsqueeze...: a reshape node to the meta shape (the
+    input itself when the shape stays)."""
+    def build(call):
+        if len(call.nodes) != 1:
+            return NotImplemented  # view_as(other), reshape_as(other): generic
+        (old, old_dtype), = call.operands
+        shape, dtype = _meta_of(func, call)
+        if dtype != old_dtype:
+            return NotImplemented  # x.view(torch.int32) reinterprets the bytes: generic
+        if tuple(shape) == old:
+            return _SAME
+        # The dtype is in the signature: a plan serves graphs of any dtype, and a reshape of
+        # an integer (or other non-graph-dtype) value must not share a batch with the floats.
+        return _Plan(("reshape", old, tuple(shape), dtype), ops.RESHAPE, shape, dtype, None)
+
     def handler(x, *args, **kwargs):
         if not isinstance(x, Expression):
             return NotImplemented
-        call = _Call((x,) + args, kwargs)
-        if len(call.nodes) != 1:
-            return NotImplemented
-        shape, dtype = _meta_of(func, call)
-        if dtype != call.graph.dtype_of(x.id) or dtype != call.graph.dtype:
-            return NotImplemented  # fb.reshape nodes have the graph's dtype: generic
-        if tuple(shape) == tuple(x.shape):
-            return x
-        return ops.reshape(x, shape)
+        return _record(handler, (x,) + args, kwargs, build)
     return handler
 
 
