@@ -941,6 +941,36 @@ def test_detach_stops_the_gradient():
     assert w.grad.tolist() == [1.0, 2.0]
 
 
+def test_one_element_integer_tensors_are_read_at_the_call():
+    """A label or a row number in a one-element tensor (`torch.tensor([label])`) is an input of
+    the value it holds at the call, of its own dtype, as eagerly: a buffer written again
+    afterwards changes nothing."""
+    weights = nn.Parameter(torch.randn(4, 5))
+    table = nn.Parameter(torch.randn(6, 5))
+    label, row = torch.tensor([0]), torch.tensor([0], dtype=torch.int32)
+
+    def losses(copy):
+        out = []
+        for i in range(4):
+            label[0], row[0] = i % 3, 5 - i  # one buffer each, rewritten per instance
+            logits = F.embedding(copy(row), table)[0] * weights[i]
+            out.append(F.cross_entropy(logits.unsqueeze(0), copy(label), reduction="sum"))
+        return out
+
+    # (eager autograd keeps the target for its backward: it needs a copy per instance)
+    eager = torch.stack(losses(torch.clone)).sum()
+    eager.backward()
+    want = (weights.grad.clone(), table.grad.clone())
+    weights.grad = table.grad = None
+    with fb.Graph(strategy="agenda") as g:
+        total = torch.stack(losses(lambda buffer: buffer)).sum()
+        assert total.item() == pytest.approx(eager.item(), abs=ATOL, rel=0)
+        total.backward()
+        # embedding, [0], weights[i], *, unsqueeze, cross_entropy, stack, sum: each one launch
+        assert g.stats().batches == 8
+    torch.testing.assert_close((weights.grad, table.grad), want, rtol=0, atol=ATOL)
+
+
 def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():
     embedding = seeded(nn.Embedding(10, IN, sparse=True))
     sentences = [[1, 2, 2], [7], [3, 1]]
