@@ -971,6 +971,39 @@ def test_one_element_integer_tensors_are_read_at_the_call():
     torch.testing.assert_close((weights.grad, table.grad), want, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
+    """`F.embedding(torch.tensor([word]), E)` (or of a 0-d index) reads its row as `fb.lookup`
+    does: the rows of every instance in one launch, with the gradient eager torch gives; under
+    no_grad none, and a row outside the table raises as eagerly."""
+    table = nn.Parameter(torch.randn(6, 5))
+    words = [3, 0, 5, 3]
+
+    def loss_of(word):
+        row = F.embedding(torch.tensor([word]), table, sparse=sparse)
+        with torch.no_grad():
+            frozen = F.embedding(torch.tensor([(word + 1) % 6]), table, sparse=sparse)
+        scalar = F.embedding(torch.tensor(word), table, sparse=sparse)
+        return (row[0].tanh() * frozen[0]).sum() + scalar.sum()
+
+    eager = torch.stack([loss_of(w) for w in words]).sum()
+    eager.backward()
+    want, table.grad = table.grad, None
+    with fb.Graph(strategy="agenda") as g:
+        row = F.embedding(torch.tensor([1]), table, sparse=sparse)
+        assert row.shape == (1, 5) and row.requires_grad
+        with pytest.raises(IndexError, match="out of range"):
+            F.embedding(torch.tensor([6]), table, sparse=sparse)
+        total = torch.stack([loss_of(w) for w in words]).sum()
+        assert total.item() == pytest.approx(eager.item(), abs=ATOL, rel=0)
+        total.backward()
+        # the [1]-shaped rows, the frozen ones and the 0-d ones (one launch each: signatures
+        # of their own); [0] of both kinds in one, tanh, *, sum, +; stack, sum
+        assert g.stats().batches == 3 + 5 + 2
+    assert table.grad.is_sparse == sparse
+    torch.testing.assert_close(table.grad.to_dense(), want.to_dense(), rtol=0, atol=ATOL)
+
+
 def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():
     embedding = seeded(nn.Embedding(10, IN, sparse=True))
     sentences = [[1, 2, 2], [7], [3, 1]]

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops
 from .errors import ShapeError
-from .graph import PARAMETER, Expression, Graph, Op, _current, current_graph
+from .graph import _INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -1001,14 +1001,53 @@ def _linear_batched(batch):
 _embedding_as_is = _as_is(F.embedding, weights=(1, "weight"), cheap=True)
 
 
+_EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
 def _embedding(input, weight, *args, **kwargs):
-    if kwargs.get("scale_grad_by_freq") or len(args) > 3 and args[3]:
+    options = dict(zip(_EMBEDDING_OPTIONS, args), **kwargs)
+    if options.get("scale_grad_by_freq"):
         raise ValueError("F.embedding(scale_grad_by_freq=True) on flybatch: it scales gradients "
                          "by counts in ONE call, and batching decides which lookups share a call")
-    if isinstance(input, (Expression, torch.Tensor)) and not _is_float(_graph_of((input,), {}),
-                                                                        input):
+    g = _graph_of((input,), {})
+    # A constant one-element index (`torch.tensor([word])`) into a parameter: a row lookup,
+    # the row kept by the node, with no index input. Under no_grad (a lookup node has no
+    # inputs to carry the mode) and with options that act on the table, the general path.
+    if options.get("padding_idx") is None and options.get("max_norm") is None and \
+            torch.is_grad_enabled() and isinstance(weight, torch.Tensor) and \
+            weight.requires_grad and weight.is_leaf and weight.dim() == 2:
+        row = _constant_row(g, input)
+        if row is not None:
+            return _lookup_rows(g, weight, row, tuple(input.shape),
+                                bool(options.get("sparse", False)))
+    if isinstance(input, (Expression, torch.Tensor)) and not _is_float(g, input):
         return _embedding_as_is(input, weight, *args, **kwargs)
     return NotImplemented
+
+
+def _constant_row(g: Graph, index: Any) -> int | None:
+    """The row a one-element integer index on the CPU holds now, unless it is an expression
+    or a tensor written with one (then its value is not known yet); else None."""
+    if type(index) is not torch.Tensor or id(index) in g.shadows:
+        return None
+    if index.dtype not in _INDEX_DTYPES or index.numel() != 1 or index.device.type != "cpu":
+        return None
+    return int(index)
+
+
+def _lookup_rows(g: Graph, table: torch.Tensor, row: int, index_shape: tuple,
+                 sparse: bool) -> Expression:
+    """`F.embedding` of a one-element index of shape `index_shape` holding `row`: a lookup
+    node of shape `index_shape + (columns,)` (a 0-d index: `fb.lookup` itself)."""
+    if not index_shape:
+        return ops.lookup(table, row, sparse, g)
+    rows, columns = table.shape
+    if not 0 <= row < rows:
+        raise IndexError(f"F.embedding: index {row} out of range for a table of {rows} rows")
+    entry = g.tags.get(id(table))  # the table's tag, checked once per graph (Graph._lookup_tag)
+    tag = entry[1] if entry is not None else g._lookup_tag(table)
+    shape = index_shape + (columns,)
+    return g.add(ops.LOOKUP, (), shape, ("lookup", tag, sparse, shape), (table, sparse, ()), row)
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -1448,8 +1487,10 @@ def _requires_grad(self) -> bool:
             stack.pop()
             continue
         op = g.op_of(node)
-        if op.leaf:
+        if op.leaf or op is ops.LOOKUP:  # a lookup has no inputs: its table decides
             attr = g.attr_of(node)
+            if op is ops.LOOKUP:
+                attr = attr[0]
             memo[node] = bool(op.name == "parameter" or
                               isinstance(attr, torch.Tensor) and attr.requires_grad)
             stack.pop()
