@@ -38,6 +38,7 @@ PyObject* s_add = nullptr;              // "add"
 PyObject* s_shadows = nullptr;          // "shadows"
 PyObject* s_node_dtypes = nullptr;      // "node_dtypes"
 PyObject* s_dtype = nullptr;            // "dtype"
+PyObject* s_fixed_dtype = nullptr;      // "_dtype"
 PyObject* s_hash = nullptr;             // "#"
 PyObject* s_open_tuple = nullptr;       // "("
 PyObject* s_open_list = nullptr;        // "["
@@ -47,6 +48,15 @@ PyObject* s_slice = nullptr;            // "slice"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
+}
+
+// Graph.dtype (a new reference): the graph's `_dtype` once fixed, without calling the property
+// (a Python call, twice per recorded call otherwise); the property while it is not.
+PyObject* graph_dtype(PyObject* graph) {
+  PyObject* fixed = checked(PyObject_GetAttr(graph, s_fixed_dtype));
+  if (fixed != Py_None) return fixed;
+  Py_DECREF(fixed);
+  return checked(PyObject_GetAttr(graph, s_dtype));
 }
 
 // One pass over one call.
@@ -95,7 +105,7 @@ struct TakeApart {
   // (shape, dtype) and parameter flag of every operand, once all are resolved: resolving a
   // parameter may fix the graph's dtype (the first floating one met), so it is read after.
   void describe_operands() {
-    Owned dtype{PyObject_GetAttr(graph, s_dtype)};
+    Owned dtype{graph_dtype(graph)};
     const Py_ssize_t n = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* id = PyList_GET_ITEM(nodes, i);
@@ -186,8 +196,8 @@ PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
       PyObject_VectorcallMethod(s_add, add_args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
   // Outputs not of the graph's floating dtype (indices, masks) are recorded per node.
   PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
-  Owned graph_dtype{PyObject_GetAttr(graph, s_dtype)};
-  if (dtype != graph_dtype.get()) {
+  Owned fixed{graph_dtype(graph)};
+  if (dtype != fixed.get()) {
     Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
     if (PyDict_SetItem(node_dtypes, id.get(), dtype) < 0) throw PythonError{};
   }
@@ -332,6 +342,7 @@ bool register_capture(PyObject* module) {
   s_shadows = PyUnicode_InternFromString("shadows");
   s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
   s_dtype = PyUnicode_InternFromString("dtype");
+  s_fixed_dtype = PyUnicode_InternFromString("_dtype");
   s_hash = PyUnicode_InternFromString("#");
   s_open_tuple = PyUnicode_InternFromString("(");
   s_open_list = PyUnicode_InternFromString("[");
@@ -340,8 +351,8 @@ bool register_capture(PyObject* module) {
   s_slice = PyUnicode_InternFromString("slice");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
-  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_hash &&
-         s_open_tuple && s_open_list && s_close && s_bar &&
+  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_fixed_dtype &&
+         s_hash && s_open_tuple && s_open_list && s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 

@@ -265,13 +265,14 @@ class _Call:
 def _graph_of(args: tuple, kwargs: dict) -> Graph:
     if args and type(args[0]) is Expression:  # the common case, first
         return args[0].graph
-    for x in list(args) + list(kwargs.values()):
-        if isinstance(x, Expression):
-            return x.graph
-        if type(x) in (list, tuple):
-            for y in x:
-                if isinstance(y, Expression):
-                    return y.graph
+    for group in (args, kwargs.values()):
+        for x in group:
+            if isinstance(x, Expression):
+                return x.graph
+            if type(x) in (list, tuple):
+                for y in x:
+                    if isinstance(y, Expression):
+                        return y.graph
     return current_graph()
 
 
