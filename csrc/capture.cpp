@@ -11,6 +11,10 @@
 // a flat tuple of the call's constants and structure ("#" per operand, "(" / "[" ... ")" around
 // sequences, "|" before the keywords), constants other than int / str / None keyed by
 // capture's `_key`. Called for every recorded torch call: the Python version cost ~3 us.
+//
+// With a handler, the call's plan (capture._PLANS, keyed by handler, key, operands, params) is
+// looked up in the same pass: a `_Plan` appends its node here (`append_planned`), anything else
+// stored there (NotImplemented, a recipe the handler applies itself) is returned as it is.
 #include "store.h"
 
 namespace flybatch {
@@ -24,11 +28,17 @@ PyObject* g_key_of = nullptr;           // capture._key
 PyObject* g_parameter_op = nullptr;     // graph.PARAMETER
 PyObject* g_node_of_tensor = nullptr;   // capture.node_of_tensor (shadowed tensors)
 PyObject* g_plans = nullptr;            // capture._PLANS
+PyObject* g_plan_type = nullptr;        // capture._Plan
+// _Slot(0), _Slot(1)...: a slot is never changed once made, so calls share them (making one
+// is a Python call, ~0.1 us, and most calls have a few operands).
+constexpr Py_ssize_t kSharedSlots = 16;
+PyObject* g_slots[kSharedSlots] = {};
 PyObject* s_fast = nullptr;             // "fast"
 PyObject* s_add = nullptr;              // "add"
 PyObject* s_shadows = nullptr;          // "shadows"
 PyObject* s_node_dtypes = nullptr;      // "node_dtypes"
 PyObject* s_dtype = nullptr;            // "dtype"
+PyObject* s_fixed_dtype = nullptr;      // "_dtype"
 PyObject* s_hash = nullptr;             // "#"
 PyObject* s_open_tuple = nullptr;       // "("
 PyObject* s_open_list = nullptr;        // "["
@@ -38,6 +48,15 @@ PyObject* s_slice = nullptr;            // "slice"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
+}
+
+// Graph.dtype (a new reference): the graph's `_dtype` once fixed, without calling the property
+// (a Python call, twice per recorded call otherwise); the property while it is not.
+PyObject* graph_dtype(PyObject* graph) {
+  PyObject* fixed = checked(PyObject_GetAttr(graph, s_fixed_dtype));
+  if (fixed != Py_None) return fixed;
+  Py_DECREF(fixed);
+  return checked(PyObject_GetAttr(graph, s_dtype));
 }
 
 // One pass over one call.
@@ -72,17 +91,21 @@ struct TakeApart {
 
   PyObject* slot(i64 node, bool from_weight) {  // new reference: the _Slot
     append(key, s_hash);
-    Owned index{PyLong_FromSsize_t(PyList_GET_SIZE(nodes))};
+    const Py_ssize_t at = PyList_GET_SIZE(nodes);
     Owned id{PyLong_FromLongLong(node)};
     append(nodes, id.get());
     append(weight, from_weight ? Py_True : Py_False);
-    return PyObject_CallOneArg(g_slot_type, index.get());
+    if (at < kSharedSlots && g_slots[at]) return Py_NewRef(g_slots[at]);
+    Owned index{PyLong_FromSsize_t(at)};
+    PyObject* made = PyObject_CallOneArg(g_slot_type, index.get());
+    if (made && at < kSharedSlots) g_slots[at] = Py_NewRef(made);
+    return made;
   }
 
   // (shape, dtype) and parameter flag of every operand, once all are resolved: resolving a
   // parameter may fix the graph's dtype (the first floating one met), so it is read after.
   void describe_operands() {
-    Owned dtype{PyObject_GetAttr(graph, s_dtype)};
+    Owned dtype{graph_dtype(graph)};
     const Py_ssize_t n = PyList_GET_SIZE(nodes);
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* id = PyList_GET_ITEM(nodes, i);
@@ -146,22 +169,25 @@ bool in_weights(PyObject* weights, PyObject* which) {
   return found;
 }
 
-// The node of a call by its handler's plan: `plan.fast` is (label, op, shape, dtype, attr,
-// shared_at); the signature is (label, plan, nodes of the shared operands).
+// The node of a call by its handler's plan: `plan.fast` is (head, op, shape, dtype, attr,
+// shared_at); the signature is the tuple `head` followed by the nodes of the shared operands.
 PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
                          PyObject* node_dtypes) {
   Owned fast{PyObject_GetAttr(plan, s_fast)};
-  if (!PyTuple_Check(fast.get()) || PyTuple_GET_SIZE(fast.get()) != 6)
-    raise(PyExc_TypeError, "take_apart: plan.fast must be a 6-tuple");
+  if (!PyTuple_Check(fast.get()) || PyTuple_GET_SIZE(fast.get()) != 6 ||
+      !PyTuple_Check(PyTuple_GET_ITEM(fast.get(), 0)) || !PyTuple_Check(nodes))
+    raise(PyExc_TypeError, "append_planned: plan.fast must be a 6-tuple (head: a tuple)");
+  PyObject* head = PyTuple_GET_ITEM(fast.get(), 0);
+  const Py_ssize_t n_head = PyTuple_GET_SIZE(head);
   PyObject* shared_at = PyTuple_GET_ITEM(fast.get(), 5);
   const Py_ssize_t n_shared = PyTuple_GET_SIZE(shared_at);
-  Owned sig{PyTuple_New(2 + n_shared)};
-  PyTuple_SET_ITEM(sig.get(), 0, Py_NewRef(PyTuple_GET_ITEM(fast.get(), 0)));
-  PyTuple_SET_ITEM(sig.get(), 1, Py_NewRef(plan));
+  Owned sig{PyTuple_New(n_head + n_shared)};
+  for (Py_ssize_t i = 0; i < n_head; ++i)
+    PyTuple_SET_ITEM(sig.get(), i, Py_NewRef(PyTuple_GET_ITEM(head, i)));
   for (Py_ssize_t i = 0; i < n_shared; ++i) {
     const Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(shared_at, i));
     if (at < 0 || at >= PyTuple_GET_SIZE(nodes)) raise(PyExc_IndexError, "plan.shared_at");
-    PyTuple_SET_ITEM(sig.get(), 2 + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
+    PyTuple_SET_ITEM(sig.get(), n_head + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
   }
   PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.get(), 1), nodes,
                            PyTuple_GET_ITEM(fast.get(), 2),
@@ -170,20 +196,42 @@ PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
       PyObject_VectorcallMethod(s_add, add_args, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
   // Outputs not of the graph's floating dtype (indices, masks) are recorded per node.
   PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
-  Owned graph_dtype{PyObject_GetAttr(graph, s_dtype)};
-  if (dtype != graph_dtype.get()) {
+  Owned fixed{graph_dtype(graph)};
+  if (dtype != fixed.get()) {
     Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
     if (PyDict_SetItem(node_dtypes, id.get(), dtype) < 0) throw PythonError{};
   }
   return out.release();
 }
 
+const char kAppendPlannedDoc[] =
+    "append_planned(graph, plan, nodes) -> Expression\n\n"
+    "The node of a capture `_Plan` over the operand nodes `nodes` (a tuple), as take_apart "
+    "appends it on a hit.";
+
+PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  try {
+    if (argc != 3 || !PyObject_TypeCheck(argv[0], &StoreType))
+      raise(PyExc_TypeError, "append_planned(graph, plan, nodes: tuple)");
+    check_open(reinterpret_cast<Store*>(argv[0]));
+    Owned node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
+    if (!PyDict_Check(node_dtypes.get()))
+      raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+    return append_planned(argv[0], argv[1], argv[2], node_dtypes.get());
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
     "recorded by the capture layer (see capture.py `_Call`). With `handler`, and a plan of "
-    "(handler, key, operands, params) in capture._PLANS: the node appended by that plan "
-    "instead (NotImplemented if the handler declined that key).";
+    "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
+    "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
+    "key, or a recipe of the handler's own).";
 
 PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   try {
@@ -243,8 +291,9 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
                                   params_tuple.get())};
       PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
-      if (plan == Py_NotImplemented) return Py_NewRef(Py_NotImplemented);
-      if (plan) return append_planned(argv[0], plan, nodes_tuple.get(), node_dtypes.get());
+      if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type))
+        return append_planned(argv[0], plan, nodes_tuple.get(), node_dtypes.get());
+      if (plan) return Py_NewRef(plan);  // NotImplemented, or a recipe the handler applies
     }
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
                         operands_tuple.get(), params_tuple.get(), weight_tuple.get(),
@@ -257,16 +306,19 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 }
 
 const char kConfigureDoc[] =
-    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans)\n\n"
+    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type)\n\n"
     "What take_apart builds and calls: capture._Slot, capture._key, "
-    "graph.PARAMETER, capture.node_of_tensor, capture._PLANS.";
+    "graph.PARAMETER, capture.node_of_tensor, capture._PLANS, capture._Plan.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
-  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans;
-  if (!PyArg_ParseTuple(args, "OOOOO!:configure_capture", &slot_type, &key_of, &parameter_op,
-                        &node_of_tensor, &PyDict_Type, &plans))
+  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!:configure_capture", &slot_type, &key_of, &parameter_op,
+                        &node_of_tensor, &PyDict_Type, &plans, &PyType_Type, &plan_type))
     return nullptr;
   Py_XSETREF(g_plans, Py_NewRef(plans));
+  Py_XSETREF(g_plan_type, Py_NewRef(plan_type));
+  if (slot_type != g_slot_type)
+    for (PyObject*& slot : g_slots) Py_CLEAR(slot);
   Py_XSETREF(g_slot_type, Py_NewRef(slot_type));
   Py_XSETREF(g_key_of, Py_NewRef(key_of));
   Py_XSETREF(g_parameter_op, Py_NewRef(parameter_op));
@@ -277,6 +329,9 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 PyMethodDef kCaptureMethods[] = {
     {"take_apart", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(take_apart)),
      METH_FASTCALL, kTakeApartDoc},
+    {"append_planned",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(append_planned_binding)),
+     METH_FASTCALL, kAppendPlannedDoc},
     {"configure_capture", configure_capture, METH_VARARGS, kConfigureDoc},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -287,6 +342,7 @@ bool register_capture(PyObject* module) {
   s_shadows = PyUnicode_InternFromString("shadows");
   s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
   s_dtype = PyUnicode_InternFromString("dtype");
+  s_fixed_dtype = PyUnicode_InternFromString("_dtype");
   s_hash = PyUnicode_InternFromString("#");
   s_open_tuple = PyUnicode_InternFromString("(");
   s_open_list = PyUnicode_InternFromString("[");
@@ -295,8 +351,8 @@ bool register_capture(PyObject* module) {
   s_slice = PyUnicode_InternFromString("slice");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
-  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_hash &&
-         s_open_tuple && s_open_list && s_close && s_bar &&
+  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_fixed_dtype &&
+         s_hash && s_open_tuple && s_open_list && s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 

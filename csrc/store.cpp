@@ -375,15 +375,15 @@ void store_dealloc(PyObject* self) {
 }
 
 const char kAddDoc[] =
-    "add(op, args, shape, sig_key, attr=None) -> Expression\n\n"
+    "add(op, args, shape, sig_key, attr=None, index=0) -> Expression\n\n"
     "Append a node of `op` (an ops.Op) over the nodes `args`, of per-instance `shape`, in the\n"
     "batch class named by `sig_key` (a hashable key interned per graph), with `attr` for its\n"
-    "kernel. A node with inputs written under torch.no_grad() is marked and never batched with\n"
+    "kernel and `index` for its per-node int (an op with per_node_attrs). A node with inputs written under torch.no_grad() is marked and never batched with\n"
     "nodes that carry gradient. The ops themselves call the rules of rules.cpp instead.";
 
 PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc < 4 || argc > 5) {
-    PyErr_SetString(PyExc_TypeError, "add(op, args, shape, sig_key, attr=None)");
+  if (argc < 4 || argc > 6) {
+    PyErr_SetString(PyExc_TypeError, "add(op, args, shape, sig_key, attr=None, index=0)");
     return nullptr;
   }
   Store* s = as_store(self);
@@ -429,9 +429,10 @@ PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
     } else {
       sig = python_sig(s, key);
     }
+    const i64 index = argc == 6 ? as_int(argv[5]) : 0;
     return append(s, op_code(argv[0]), args.data(), args.size(),
-                  intern_shape(s, dims.data(), dims.size()), sig, argc == 5 ? argv[4] : Py_None,
-                  no_grad);
+                  intern_shape(s, dims.data(), dims.size()), sig, argc >= 5 ? argv[4] : Py_None,
+                  no_grad, index);
   });
 }
 

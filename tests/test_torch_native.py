@@ -797,6 +797,46 @@ def test_tensor_api_on_an_expression_matches_torch(probe):
     torch.testing.assert_close(p.grad, eager_x.grad, rtol=0, atol=ATOL)
 
 
+def test_the_pieces_of_a_chunk_batch_across_instances():
+    """chunk / split / unbind give one slice node per piece, and each piece batches over
+    every instance (in this graph and, by the same recipe, in the next one)."""
+    p = nn.Parameter(torch.randn(4, 6))
+    want = [(a * b + c) for a, b, c in (p[i].chunk(3) for i in range(4))]
+    want += [(a * b + c) for a, b, c in (p[i].split(2) for i in range(4))]
+    want += [p[i].view(3, 2).unbind(1)[1] for i in range(4)]
+    for _ in range(2):
+        with fb.Graph(strategy="agenda") as g:
+            xs = [p[i] * 1.0 for i in range(4)]
+            got = [(a * b + c) for a, b, c in (x.chunk(3) for x in xs)]
+            got += [(a * b + c) for a, b, c in (torch.split(x, 2) for x in xs)]
+            got += [x.view(3, 2).unbind(1)[1] for x in xs]
+            values = g.forward(got)
+            stats = g.stats()
+        for value, expected in zip(values, want):
+            torch.testing.assert_close(value.detach(), expected.detach(), rtol=0, atol=ATOL)
+        # the rows of p, x; the 3 pieces of chunk and split (the same slices: one launch each),
+        # a * b, + c; the view, unbind's 2 pieces
+        assert stats.batches == 2 + 3 + 2 + 3, stats.by_signature
+
+
+def test_a_reshape_keeps_its_dtype_and_batches_only_with_its_own():
+    """Views of one shape in several dtypes: each keeps its dtype, views of one dtype share a
+    launch and views of different dtypes never do; a view to the same shape is the input."""
+    p = nn.Parameter(torch.randn(2, 3))
+    want = [p.view(-1), (p > 0).long().view(-1), p.float().view(-1), (p * 2).view(-1)]
+    with fb.Graph(strategy="agenda") as g:
+        x = p * 1.0
+        assert x.view(2, 3) is x and x.contiguous() is x
+        views = [x.view(-1), (x > 0).long().view(-1), x.float().view(-1), (x * 2).view(-1)]
+        got = g.forward(views)
+        launches = g.stats().batches
+    for value, expected in zip(got, want):
+        assert value.dtype == expected.dtype
+        torch.testing.assert_close(value.detach(), expected.detach(), rtol=0, atol=0)
+    # x, x > 0, long, float, x * 2; the views: one per dtype
+    assert launches == 5 + 3
+
+
 def test_expression_describes_itself_like_a_tensor():
     w = nn.Parameter(torch.randn(2, 3))
     with fb.Graph():
@@ -899,6 +939,69 @@ def test_detach_stops_the_gradient():
         x = w * 1.0
         (x.detach() * x).sum().backward()
     assert w.grad.tolist() == [1.0, 2.0]
+
+
+def test_one_element_integer_tensors_are_read_at_the_call():
+    """A label or a row number in a one-element tensor (`torch.tensor([label])`) is an input of
+    the value it holds at the call, of its own dtype, as eagerly: a buffer written again
+    afterwards changes nothing."""
+    weights = nn.Parameter(torch.randn(4, 5))
+    table = nn.Parameter(torch.randn(6, 5))
+    label, row = torch.tensor([0]), torch.tensor([0], dtype=torch.int32)
+
+    def losses(copy):
+        out = []
+        for i in range(4):
+            label[0], row[0] = i % 3, 5 - i  # one buffer each, rewritten per instance
+            logits = F.embedding(copy(row), table)[0] * weights[i]
+            out.append(F.cross_entropy(logits.unsqueeze(0), copy(label), reduction="sum"))
+        return out
+
+    # (eager autograd keeps the target for its backward: it needs a copy per instance)
+    eager = torch.stack(losses(torch.clone)).sum()
+    eager.backward()
+    want = (weights.grad.clone(), table.grad.clone())
+    weights.grad = table.grad = None
+    with fb.Graph(strategy="agenda") as g:
+        total = torch.stack(losses(lambda buffer: buffer)).sum()
+        assert total.item() == pytest.approx(eager.item(), abs=ATOL, rel=0)
+        total.backward()
+        # embedding, [0], weights[i], *, unsqueeze, cross_entropy, stack, sum: each one launch
+        assert g.stats().batches == 8
+    torch.testing.assert_close((weights.grad, table.grad), want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
+    """`F.embedding(torch.tensor([word]), E)` (or of a 0-d index) reads its row as `fb.lookup`
+    does: the rows of every instance in one launch, with the gradient eager torch gives; under
+    no_grad none, and a row outside the table raises as eagerly."""
+    table = nn.Parameter(torch.randn(6, 5))
+    words = [3, 0, 5, 3]
+
+    def loss_of(word):
+        row = F.embedding(torch.tensor([word]), table, sparse=sparse)
+        with torch.no_grad():
+            frozen = F.embedding(torch.tensor([(word + 1) % 6]), table, sparse=sparse)
+        scalar = F.embedding(torch.tensor(word), table, sparse=sparse)
+        return (row[0].tanh() * frozen[0]).sum() + scalar.sum()
+
+    eager = torch.stack([loss_of(w) for w in words]).sum()
+    eager.backward()
+    want, table.grad = table.grad, None
+    with fb.Graph(strategy="agenda") as g:
+        row = F.embedding(torch.tensor([1]), table, sparse=sparse)
+        assert row.shape == (1, 5) and row.requires_grad
+        with pytest.raises(IndexError, match="out of range"):
+            F.embedding(torch.tensor([6]), table, sparse=sparse)
+        total = torch.stack([loss_of(w) for w in words]).sum()
+        assert total.item() == pytest.approx(eager.item(), abs=ATOL, rel=0)
+        total.backward()
+        # the [1]-shaped rows, the frozen ones and the 0-d ones (one launch each: signatures
+        # of their own); [0] of both kinds in one, tanh, *, sum, +; stack, sum
+        assert g.stats().batches == 3 + 5 + 2
+    assert table.grad.is_sparse == sparse
+    torch.testing.assert_close(table.grad.to_dense(), want.to_dense(), rtol=0, atol=ATOL)
 
 
 def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops
 from .errors import ShapeError
-from .graph import (PARAMETER, Expression, Graph, Op, _current, current_graph,
+from .graph import (_INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph,
                     live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
@@ -267,13 +267,14 @@ class _Call:
 def _graph_of(args: tuple, kwargs: dict) -> Graph:
     if args and type(args[0]) is Expression:  # the common case, first
         return args[0].graph
-    for x in list(args) + list(kwargs.values()):
-        if isinstance(x, Expression):
-            return x.graph
-        if type(x) in (list, tuple):
-            for y in x:
-                if isinstance(y, Expression):
-                    return y.graph
+    for group in (args, kwargs.values()):
+        for x in group:
+            if isinstance(x, Expression):
+                return x.graph
+            if type(x) in (list, tuple):
+                for y in x:
+                    if isinstance(y, Expression):
+                        return y.graph
     return current_graph()
 
 
@@ -514,51 +515,90 @@ DIRECT = Op("torch", _direct_kernel)
 # flags (its output shape from meta tensors, its batched kernel), kept per handler: a call that
 # meets a known (handler, constants, operands) only appends its node.
 _PLANS: dict[Any, Any] = {}
-_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS)
 
 
 class _Plan:
-    """A handler's node recipe for one (constants, operands) key. It stands in the signature
-    for all of that key (compared by identity: one plan per key), followed by the nodes of the
-    shared operands, so a signature stays a short tuple."""
+    """A handler's node recipe for one (constants, operands) key: the node's op, shape, dtype
+    and kernel attr, and its signature, `head` followed by the nodes of the shared operands
+    (parameters). A label as the head stands for (label, the plan itself), compared by
+    identity: one plan per key, so a signature stays a short tuple. A tuple head batches the
+    plan's nodes with any node of that head."""
 
-    __slots__ = ("label", "op", "shape", "dtype", "attr", "shared_at", "describe", "fast")
+    __slots__ = ("describe", "fast")
 
-    def __init__(self, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
-                 shared: tuple[bool, ...], cheap: bool):
-        self.label, self.shape, self.dtype = label, tuple(shape), dtype
-        self.op = _DIRECT_CHEAP if cheap else DIRECT
-        self.attr = (fn, shared, ())
-        self.shared_at = tuple(i for i, s in enumerate(shared) if s)
-        self.describe = "".join("[param]" if s else str(o[0])
-                                for s, o in zip(shared, call.operands))
+    def __init__(self, head: str | tuple, op: Op, shape: tuple, dtype: torch.dtype, attr: Any,
+                 shared_at: tuple[int, ...] = (), describe: str = ""):
+        self.describe = describe
+        head = head if type(head) is tuple else (head, self)
         # What `_core.take_apart` reads on a hit (csrc/capture.cpp): the node in one C call.
-        self.fast = (label, self.op, self.shape, dtype, self.attr, self.shared_at)
+        self.fast = (head, op, tuple(shape), dtype, attr, shared_at)
 
-    def append(self, call: _Call) -> Expression:
-        """This plan's node for `call`, as `take_apart` appends it on a hit."""
-        nodes = call.nodes
-        sig = (self.label, self, *[nodes[i] for i in self.shared_at])
-        return _node(call.graph, self.op, nodes, self.shape, sig, self.attr, self.dtype)
+    @classmethod
+    def direct(cls, call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
+               shared: tuple[bool, ...], cheap: bool) -> "_Plan":
+        """A DIRECT node, `fn(batch operands)`, shared operands (`shared`) passed once."""
+        return cls(label, _DIRECT_CHEAP if cheap else DIRECT, shape, dtype, (fn, shared, ()),
+                   tuple(i for i, s in enumerate(shared) if s),
+                   "".join("[param]" if s else str(o[0]) for s, o in zip(shared, call.operands)))
+
+    def append(self, g: Graph, nodes: tuple) -> Expression:
+        """This plan's node over `nodes`, as `take_apart` appends it on a hit."""
+        return _core.append_planned(g, self, nodes)
 
     def __repr__(self) -> str:
         return self.describe
 
 
+class _Recipe:
+    """A plan whose nodes the handler makes itself (several nodes, or none): `take_apart`
+    returns it on a hit, and `_record` gives back `recipe.apply(args)`."""
+
+    __slots__ = ()
+
+    def apply(self, args: tuple) -> Any:
+        raise NotImplementedError
+
+
+class _Same(_Recipe):
+    """The call returns its first operand itself (`x.view(x.shape)`, `x.contiguous()`)."""
+
+    __slots__ = ()
+
+    def apply(self, args: tuple) -> Any:
+        return args[0]
+
+
+_SAME = _Same()
+_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS, _Plan)
+
+
+def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
+    """The plan of `handler` for `call`'s key, made by `build(call)` on first sight and kept:
+    a `_Plan`, a `_Recipe`, NotImplemented (the handler declines the key), or a tuple `(label,
+    batched_fn, shape, dtype, shared, cheap)` for a direct plan."""
+    key = (handler, call.key, call.operands, call.params)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build(call)
+        if type(plan) is tuple:
+            plan = _Plan.direct(call, *plan)
+        _PLANS[key] = plan
+    return plan
+
+
 def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable,
             weights: tuple = ()) -> Any:
-    """The node of a handler's call: by its plan for (constants, operands) when it has one (the
-    whole hit path is one C call), else by the plan `build(call)` makes, a recipe `(label,
-    batched_fn, shape, dtype, shared, cheap)` or NotImplemented, kept for the next calls."""
+    """What a handler's call gives by its plan for (constants, operands): the node of a
+    `_Plan` (when the plan is known, the whole path is one C call), a recipe's result, or
+    NotImplemented. An unknown key gets its plan from `build` (see `_plan_of`)."""
     g = _graph_of(args, kwargs or {})
-    parts = _core.take_apart(g, args, kwargs, weights, handler)
-    if type(parts) is not tuple:
-        return parts  # the node, or NotImplemented
-    call = _Call(args, kwargs or {}, g, weights, parts)
-    recipe = build(call)
-    plan = recipe if recipe is NotImplemented else _Plan(call, *recipe)
-    _PLANS[(handler, call.key, call.operands, call.params)] = plan
-    return plan if plan is NotImplemented else plan.append(call)
+    out = _core.take_apart(g, args, kwargs, weights, handler)
+    if type(out) is tuple:  # no plan yet: the call's parts
+        call = _Call(args, kwargs or {}, g, weights, out)
+        out = _plan_of(handler, call, build)
+        if type(out) is _Plan:
+            return out.append(g, call.nodes)
+    return out.apply(args) if isinstance(out, _Recipe) else out
 
 
 def _direct(name: str, call: _Call, batched_fn: Callable, consts: tuple, shape: tuple,
@@ -744,42 +784,66 @@ def getitem(x: Expression, key: Any) -> Any:
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
         return _generic(torch.Tensor.__getitem__, (x, key), {})
 
-    def build(call):
-        shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
-        return ("getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,),
-                True)
+    return _record(getitem, (x, keys), None, _getitem_plan)
 
-    return _record(getitem, (x, keys), None, build)
+
+def _getitem_plan(call: _Call):
+    keys = call.args[1]  # the template keeps the index's constants as they are
+    shape, dtype = _meta_of(torch.Tensor.__getitem__, call)
+    return "getitem", _Bound(_getitem_batched, keys, key=call.key), shape, dtype, (False,), True
 
 
 ops._getitem = getitem
 
 
+class _Pieces(_Recipe):
+    """The pieces of a chunk / split / unbind: each the plan of a `getitem` (a slice, or an
+    index, of the batch), so the pieces at one position batch over the instances."""
+
+    __slots__ = ("kind", "plans")
+
+    def __init__(self, kind: type, plans: list[_Plan]):
+        self.kind, self.plans = kind, plans
+
+    def apply(self, args: tuple) -> Any:
+        x = args[0]
+        g, nodes = x.graph, (x.id,)
+        return self.kind([plan.append(g, nodes) for plan in self.plans])
+
+
 def _pieces(func: Callable, default_dim_at: int):
-    """chunk / split / unbind of an expression: each piece a slice (or an index) of the batch,
-    the cheap direct `getitem`, instead of computing the whole split once per piece."""
-    def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression) or any(isinstance(a, (torch.Tensor, Expression))
-                                                for a in args):
-            return NotImplemented
+    """chunk / split / unbind of an expression: its pieces by a `_Pieces` recipe (cheap direct
+    getitems), instead of computing the whole split once per piece."""
+    def build(call):
+        if len(call.nodes) != 1 or call.args[0].__class__ is not _Slot:
+            return NotImplemented  # split sizes in a tensor: generic
+        args, kwargs = call.args[1:], call.kwargs
         dim = kwargs.get("dim", args[default_dim_at] if len(args) > default_dim_at else 0)
         if not isinstance(dim, int) or isinstance(dim, bool):
             return NotImplemented
-        call = _Call((x,) + args, kwargs)
         structure = _meta_of(func, call)
         if isinstance(structure[1], torch.dtype):
             return NotImplemented
         shapes, kind = structure
-        ndim = len(x.shape)
-        d = _dim(dim, ndim, func.__name__) - 1
+        (shape, _), = call.operands
+        d = _dim(dim, len(shape), func.__name__) - 1
         lead = (slice(None),) * d
         if func in (torch.unbind, T.unbind):
-            return kind(getitem(x, lead + (i,)) for i in range(len(shapes)))
-        pieces, start = [], 0
-        for shape, _ in shapes:
-            pieces.append(getitem(x, lead + (slice(start, start + shape[d]),)))
-            start += shape[d]
-        return kind(pieces)
+            keys = [lead + (i,) for i in range(len(shapes))]
+        else:
+            ends = np.cumsum([0] + [piece[d] for piece, _ in shapes]).tolist()
+            keys = [lead + (slice(start, end),) for start, end in zip(ends, ends[1:])]
+        x = Expression(call.graph, call.nodes[0])
+        plans = [_plan_of(getitem, _Call((x, key), {}, call.graph), _getitem_plan)
+                 for key in keys]
+        if any(type(plan) is not _Plan for plan in plans):
+            return NotImplemented
+        return _Pieces(kind, plans)
+
+    def handler(x, *args, **kwargs):
+        if not isinstance(x, Expression):
+            return NotImplemented
+        return _record(handler, (x,) + args, kwargs, build)
     return handler
 
 
@@ -896,19 +960,25 @@ def _transpose_batched(dim0, dim1, batch):
 
 
 def _reshape_like(func: Callable):
-    """view / reshape / flatten / squeeze / unsqueeze...: fb.reshape to the meta shape."""
+    """view / reshape / flatten / squeeze / unsqueeze...: a reshape node to the meta shape (the
+    input itself when the shape stays)."""
+    def build(call):
+        if len(call.nodes) != 1:
+            return NotImplemented  # view_as(other), reshape_as(other): generic
+        (old, old_dtype), = call.operands
+        shape, dtype = _meta_of(func, call)
+        if dtype != old_dtype:
+            return NotImplemented  # x.view(torch.int32) reinterprets the bytes: generic
+        if tuple(shape) == old:
+            return _SAME
+        # The dtype is in the signature: a plan serves graphs of any dtype, and a reshape of
+        # an integer (or other non-graph-dtype) value must not share a batch with the floats.
+        return _Plan(("reshape", old, tuple(shape), dtype), ops.RESHAPE, shape, dtype, None)
+
     def handler(x, *args, **kwargs):
         if not isinstance(x, Expression):
             return NotImplemented
-        call = _Call((x,) + args, kwargs)
-        if len(call.nodes) != 1:
-            return NotImplemented
-        shape, dtype = _meta_of(func, call)
-        if dtype != call.graph.dtype_of(x.id) or dtype != call.graph.dtype:
-            return NotImplemented  # fb.reshape nodes have the graph's dtype: generic
-        if tuple(shape) == tuple(x.shape):
-            return x
-        return ops.reshape(x, shape)
+        return _record(handler, (x,) + args, kwargs, build)
     return handler
 
 
@@ -934,14 +1004,53 @@ def _linear_batched(batch):
 _embedding_as_is = _as_is(F.embedding, weights=(1, "weight"), cheap=True)
 
 
+_EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
 def _embedding(input, weight, *args, **kwargs):
-    if kwargs.get("scale_grad_by_freq") or len(args) > 3 and args[3]:
+    options = dict(zip(_EMBEDDING_OPTIONS, args), **kwargs)
+    if options.get("scale_grad_by_freq"):
         raise ValueError("F.embedding(scale_grad_by_freq=True) on flybatch: it scales gradients "
                          "by counts in ONE call, and batching decides which lookups share a call")
-    if isinstance(input, (Expression, torch.Tensor)) and not _is_float(_graph_of((input,), {}),
-                                                                        input):
+    g = _graph_of((input,), {})
+    # A constant one-element index (`torch.tensor([word])`) into a parameter: a row lookup,
+    # the row kept by the node, with no index input. Under no_grad (a lookup node has no
+    # inputs to carry the mode) and with options that act on the table, the general path.
+    if options.get("padding_idx") is None and options.get("max_norm") is None and \
+            torch.is_grad_enabled() and isinstance(weight, torch.Tensor) and \
+            weight.requires_grad and weight.is_leaf and weight.dim() == 2:
+        row = _constant_row(g, input)
+        if row is not None:
+            return _lookup_rows(g, weight, row, tuple(input.shape),
+                                bool(options.get("sparse", False)))
+    if isinstance(input, (Expression, torch.Tensor)) and not _is_float(g, input):
         return _embedding_as_is(input, weight, *args, **kwargs)
     return NotImplemented
+
+
+def _constant_row(g: Graph, index: Any) -> int | None:
+    """The row a one-element integer index on the CPU holds now, unless it is an expression
+    or a tensor written with one (then its value is not known yet); else None."""
+    if type(index) is not torch.Tensor or id(index) in g.shadows:
+        return None
+    if index.dtype not in _INDEX_DTYPES or index.numel() != 1 or index.device.type != "cpu":
+        return None
+    return int(index)
+
+
+def _lookup_rows(g: Graph, table: torch.Tensor, row: int, index_shape: tuple,
+                 sparse: bool) -> Expression:
+    """`F.embedding` of a one-element index of shape `index_shape` holding `row`: a lookup
+    node of shape `index_shape + (columns,)` (a 0-d index: `fb.lookup` itself)."""
+    if not index_shape:
+        return ops.lookup(table, row, sparse, g)
+    rows, columns = table.shape
+    if not 0 <= row < rows:
+        raise IndexError(f"F.embedding: index {row} out of range for a table of {rows} rows")
+    entry = g.tags.get(id(table))  # the table's tag, checked once per graph (Graph._lookup_tag)
+    tag = entry[1] if entry is not None else g._lookup_tag(table)
+    shape = index_shape + (columns,)
+    return g.add(ops.LOOKUP, (), shape, ("lookup", tag, sparse, shape), (table, sparse, ()), row)
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -1381,8 +1490,10 @@ def _requires_grad(self) -> bool:
             stack.pop()
             continue
         op = g.op_of(node)
-        if op.leaf:
+        if op.leaf or op is ops.LOOKUP:  # a lookup has no inputs: its table decides
             attr = g.attr_of(node)
+            if op is ops.LOOKUP:
+                attr = attr[0]
             memo[node] = bool(op.name == "parameter" or
                               isinstance(attr, torch.Tensor) and attr.requires_grad)
             stack.pop()

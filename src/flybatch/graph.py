@@ -70,6 +70,13 @@ def _input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
     return stacked.to(graph.device)
 
 
+def _index_input_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
+    first = nodes[0]
+    ints = torch.from_numpy(np.frombuffer(graph.indices(nodes), np.int64))
+    return ints.to(graph.device, graph.node_dtypes[first]).reshape(len(nodes),
+                                                                  *graph.shape_of(first))
+
+
 def _parameter_kernel(graph: "Graph", nodes: Sequence[int]) -> torch.Tensor:
     (node,) = nodes  # a parameter is one node per graph, never batched with another
     return graph.parameter_value(node).unsqueeze(0)
@@ -98,6 +105,11 @@ def _filled_kernel(value: float) -> Callable[["Graph", Sequence[int]], torch.Ten
 
 
 INPUT = Op("input", _input_kernel, leaf=True)
+# A one-element integer input (a class label, a row number: `torch.tensor([label])`): its value
+# is the node's per-node int, so the graph keeps no tensor per node and a batch of them is made
+# from the ints in one call.
+INDEX_INPUT = Op("input", _index_input_kernel, leaf=True, per_node_attrs=True)
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 PARAMETER = Op("parameter", _parameter_kernel, leaf=True)
 ZEROS = Op("zeros", _filled_kernel(0.0), leaf=True)
 ONES = Op("ones", _filled_kernel(1.0), leaf=True)
@@ -367,12 +379,18 @@ class Graph(_core.Store):
         """A per-instance input holding `tensor`'s value AT THIS CALL (as eagerly and in
         DyNet): it is copied unless `owned` (a fresh tensor nobody else can write), so a
         buffer reused afterwards does not change the node. With `keep_grad`, gradient flows
-        back into `tensor`'s own autograd history."""
+        back into `tensor`'s own autograd history. A one-element integer tensor on the CPU (a
+        label, a row number) is kept as the int it holds (`INDEX_INPUT`)."""
         with _no_capture():  # flybatch's own tensor work, not the user's: no capture dispatch
             if tensor.device.type == "meta":
                 raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
                                  "device has no values to compute with")
-            shape = tuple(tensor.shape)
+            shape, dtype = tuple(tensor.shape), tensor.dtype
+            if dtype in _INDEX_DTYPES and tensor.numel() == 1 and tensor.device.type == "cpu":
+                node = self.add(INDEX_INPUT, (), shape, ("index input", shape, dtype), None,
+                                int(tensor)).id
+                self.node_dtypes[node] = dtype
+                return node
             value = tensor if keep_grad else tensor.detach()
             if not owned:
                 value = value.clone()
@@ -380,8 +398,8 @@ class Graph(_core.Store):
             floating = tensor.is_floating_point() or tensor.is_complex()
         if floating:
             return self.add(INPUT, (), shape, ("input", shape), value).id
-        node = self.add(INPUT, (), shape, ("input", shape, tensor.dtype), value).id
-        self.node_dtypes[node] = tensor.dtype
+        node = self.add(INPUT, (), shape, ("input", shape, dtype), value).id
+        self.node_dtypes[node] = dtype
         return node
 
     def dtype_of(self, node: int) -> torch.dtype:
@@ -393,11 +411,13 @@ class Graph(_core.Store):
         a tensor that requires grad and is a leaf is a parameter, any other tensor or ndarray
         an input copied now, a number an interned constant."""
         if isinstance(x, torch.Tensor):
-            if not x.requires_grad:
+            with _no_capture():  # (through the capture mode each attribute costs ~1.4 us)
+                requires_grad, leaf = x.requires_grad, x.is_leaf
+            if not requires_grad:
                 return self.input_node(x)
             # Only leaves that require grad are parameters (one shared node per graph); a
             # computed tensor is a per-instance input whose gradient flows into its history.
-            return self.parameter_node(x) if x.is_leaf else self.input_node(x, keep_grad=True)
+            return self.parameter_node(x) if leaf else self.input_node(x, keep_grad=True)
         if isinstance(x, numbers.Real):
             return self.constant_node("scalar", (), float(x))
         if isinstance(x, np.ndarray):

@@ -109,7 +109,9 @@ def _as_shape(op: str, shape: int | Sequence[int], inferred: int = 0) -> Shape:
 
 def _lookup_kernel(xs, attr, shape):
     (table, sparse, options), rows = attr
-    return F.embedding(_index(rows, table), table, sparse=sparse, **dict(options))
+    out = F.embedding(_index(rows, table), table, sparse=sparse, **dict(options))
+    # A row is (columns,); captured `F.embedding(torch.tensor([w]), E)` rows are (1, columns).
+    return out if len(shape) == 1 else out.view(len(rows), *shape)
 
 
 LOOKUP = Op("lookup", _lookup_kernel, per_node_attrs=True, cheap=True, rule="lookup")
