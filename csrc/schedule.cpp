@@ -926,8 +926,11 @@ std::vector<std::pair<std::int32_t, std::int32_t>> interleaving_candidates(
 // before and after them), then per move the nodes and edges it touches; every block stops at
 // its share of a work budget (kSearchWork and per node), so the bound stays cheap on large
 // graphs, and every pair keeps at least the pair bound.
-constexpr i64 kSearchWork = i64{1} << 23;  // node and edge visits per forward, at least
+constexpr i64 kSearchWork = i64{1} << 23;  // node and edge visits per forward, at least,
+constexpr i64 kSmallWorkPerEdge = 4096;    // ... unless the forward is smaller than this allows
 constexpr i64 kSearchWorkPerEdge = 8;      // ... or this many per node and edge
+// (The floor makes a 1.5k-node SPINN forward's bound tight; capped per node and edge, a model
+// of a hundred 75-node forwards does not pay 2^23 visits a hundred times per stats().)
 constexpr i64 kBuildPasses = 6;            // what building a block's problem costs, in passes
 constexpr i64 kMaxSearchDepth = 4096;      // launches deep, at most
 constexpr std::size_t kPackStarts = 64;    // greedy packings tried
@@ -1127,7 +1130,8 @@ i64 tight_bound_of(const Nodes& nodes, const OpFlagsOf& flags_of, bool pairs_onl
                                                                  : i64{most[s]} + most[t];
   };
   // The searches: pairs, then triples, each within its share of what is left of the budget.
-  const i64 budget = pairs_only ? 0 : std::max(kSearchWork, kSearchWorkPerEdge * edges);
+  const i64 budget = pairs_only ? 0 : std::max(std::min(kSearchWork, kSmallWorkPerEdge * edges),
+                                               kSearchWorkPerEdge * edges);
   i64 spent = 0;
   auto search = [&](const std::vector<std::int32_t>& block, i64 known) -> i64 {
     if (spent + kBuildPasses * edges > budget) return known;
