@@ -346,31 +346,34 @@ PyObject* py_schedule(PyObject*, PyObject* args, PyObject* kwargs) {
 }
 
 const char kLowerBoundDoc[] =
-    "lower_bound(n, forward_ends, graph=None, tight=False, *, sigs, arg_end, arg_flat, ops)\n"
+    "lower_bound(n, forward_ends, graph=None, tight=False, *, sigs, arg_end, arg_flat, ops,\n"
+    "            pairs_only=False)\n"
     "    -> int\n\n"
     "Launches no schedule of the graph's first n nodes (its columns, read in place; or the\n"
     "lists sigs, arg_end, arg_flat, ops of a hand-made DAG) can beat: in each forward (forward_ends:\n"
     "where each ended; nodes after the last are one more), for each signature the most nodes of\n"
-    "it on one dependency path, summed. With tight, that plus what pairs of signatures that\n"
-    "interleave differently on different paths must add (csrc/schedule.cpp, tight_bound_of).";
+    "it on one dependency path, summed. With tight, that plus what blocks of two or three\n"
+    "signatures that interleave differently on different paths must add (csrc/schedule.cpp,\n"
+    "tight_bound_of); with pairs_only too, the pair bound alone (the earlier tight bound).";
 
 PyObject* py_lower_bound(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"n",   "forward_ends", "graph", "tight", "sigs", "arg_end",
-                                "arg_flat", "ops", nullptr};
+                                "arg_flat", "ops", "pairs_only", nullptr};
   long long n;
   PyObject *forward_ends, *graph = nullptr, *sigs = nullptr, *arg_end = nullptr,
                           *arg_flat = nullptr, *ops = nullptr;
-  int tight = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LO|Op$OOOO:lower_bound",
+  int tight = 0, pairs_only = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LO|Op$OOOOp:lower_bound",
                                    const_cast<char**>(names), &n, &forward_ends, &graph, &tight,
-                                   &sigs, &arg_end, &arg_flat, &ops))
+                                   &sigs, &arg_end, &arg_flat, &ops, &pairs_only))
     return nullptr;
   return guarded([&]() -> PyObject* {
     Source source(graph, sigs, arg_end, arg_flat, ops, 0, n);
     const std::vector<i64> cuts = forward_cuts(forward_ends, n);
-    const auto bound = tight ? flybatch::tight_bound : flybatch::lower_bound;
+    const auto flags_of = [&](i64 node) { return source(node); };
     return PyLong_FromLongLong(
-        bound(source.nodes(), cuts, [&](i64 node) { return source(node); }));
+        tight ? flybatch::tight_bound(source.nodes(), cuts, flags_of, pairs_only != 0)
+              : flybatch::lower_bound(source.nodes(), cuts, flags_of));
   });
 }
 

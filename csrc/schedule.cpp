@@ -3,6 +3,9 @@
 #include "schedule.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <queue>
@@ -741,6 +744,7 @@ Nodes one_forward(const Nodes& all, i64 begin, i64 end) {
 // Only pairs that can gain are tried (interleaving_candidates), and no more than kPairWork
 // node and edge visits' worth of them per forward: leaving pairs out keeps the bound valid.
 constexpr i64 kPairWork = i64{1} << 26;
+constexpr std::size_t kMaxTriples = std::size_t{1} << 14;  // candidate triples per forward
 
 // Per node: the most s-nodes and t-nodes on a path ending at it (fs, ft) and on a path starting
 // at it (bs, bt), each counting the node itself.
@@ -800,7 +804,8 @@ i64 pair_side(const std::vector<std::int32_t>& of, std::int32_t s, std::int32_t 
 // some path holds s before t and another t before s. Pairs with direct edges both ways come
 // first, the usual interleaving; then the rest of each component.
 std::vector<std::pair<std::int32_t, std::int32_t>> interleaving_candidates(
-    const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags) {
+    const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags,
+    std::vector<std::array<std::int32_t, 3>>* triples = nullptr) {
   const auto n_sigs = static_cast<i64>(sigs.count());
   std::vector<i64> out, in;  // edges as s * n_sigs + t, and reversed
   for (Local v = 0; v < nodes.n; ++v)
@@ -864,38 +869,328 @@ std::vector<std::pair<std::int32_t, std::int32_t>> interleaving_candidates(
         (both ? direct : rest).emplace_back(s, t);
       }
   direct.insert(direct.end(), rest.begin(), rest.end());
+  if (triples) {  // triples of a component linked by direct edges (two of their three pairs)
+    auto linked = [&](std::int32_t a, std::int32_t b) {
+      return std::binary_search(out.begin(), out.end(), a * n_sigs + b) ||
+             std::binary_search(in.begin(), in.end(), a * n_sigs + b);
+    };
+    for (const auto& group : members)
+      for (std::size_t i = 0; i < group.size(); ++i)
+        for (std::size_t j = i + 1; j < group.size(); ++j)
+          for (std::size_t k = j + 1; k < group.size(); ++k) {
+            if (triples->size() >= kMaxTriples) return direct;
+            std::array<std::int32_t, 3> b{group[i], group[j], group[k]};
+            std::sort(b.begin(), b.end());
+            if (linked(b[0], b[1]) + linked(b[0], b[2]) + linked(b[1], b[2]) >= 1)
+              triples->push_back(b);
+          }
+  }
   return direct;
 }
 
-// The forward's sum of A_s plus, over a greedy matching of the pairs by gain, each pair's gain.
-i64 tight_bound_of(const Nodes& nodes, const OpFlagsOf& flags_of) {
+// ---- blocks of two or three signatures, searched exactly ------------------------------------
+//
+// The pair bound above reads only counts before and after each node; on shift-reduce stacks
+// and mixed-operator DAGs the fewest launches of a pair or a triple of signatures is often
+// higher. So each candidate block B (two or three signatures of one strongly connected
+// component) gets a bound of its own from a search: the restricted problem P_B.
+//
+// P_B: the forward with every node whose signature is not in B made free (it is done as soon
+// as its inputs are; leaves have no inputs and are done at once). Any schedule of the forward,
+// its launches of B's signatures kept in order and the others dropped, is a schedule of P_B (a
+// node of B still runs after its inputs of B, and a free node is done no later than in the
+// schedule), so it launches B's signatures at least opt(P_B) times; blocks of a partition of the
+// signatures count disjoint launches: launches >= sum over blocks of opt(P_B), a block of one
+// signature s giving opt = A_s. Blocks that are not searched count as their signatures' A_s,
+// and a pair keeps the pair bound where that is higher.
+//
+// Search (iterative-deepening A*). A launch may as well take every ready node of its
+// signature, so a state is the set of done nodes and a move a signature with ready nodes.
+// Heuristic: for each signature s of B, the most s-nodes on one path from a ready node (a path
+// from a not-done node starts at a ready node or is one; a launch takes at most one node of each
+// path, since no two nodes of one path are ready together): admissible, and each move lowers
+// it by at most 1. With threshold T, a depth-first search over moves with g + h <= T that finds
+// no complete schedule proves opt(P_B) > T, so T + 1 is a bound, and the first T at which it
+// finds one is opt(P_B). Out of budget, the last proven T is the bound: still valid.
+//
+// Pruning, proven not to lose the optimum. Among the schedules of fewest launches take Z, the
+// least in lexicographic order of signatures (any fixed order). (a) No launch of Z is empty (it
+// could be dropped). (b) If launch i + 1 (signature t) holds no node with an input in launch i
+// (signature s), then t != s (else its nodes were ready at launch i, which took them) and t > s:
+// otherwise swap the two; t at i takes the same nodes (all were ready then, none waited on
+// launch i), s at i + 1 takes at least as many, every later launch at least as many, so the
+// swapped word is as short and lexicographically smaller, a contradiction. So the search tries
+// after a launch of s only signatures t that it made ready nodes of, or with t > s, and finds Z.
+//
+// Cost: a pass over the forward to build P_B on the nodes that matter (those with a node of B
+// before and after them), then per move the nodes and edges it touches; every block stops at
+// its share of a work budget (kSearchWork and per node), so the bound stays cheap on large
+// graphs, and every pair keeps at least the pair bound.
+constexpr i64 kSearchWork = i64{1} << 23;  // node and edge visits per forward, at least,
+constexpr i64 kSmallWorkPerEdge = 4096;    // ... unless the forward is smaller than this allows
+constexpr i64 kSearchWorkPerEdge = 8;      // ... or this many per node and edge
+// (The floor makes a 1.5k-node SPINN forward's bound tight; capped per node and edge, a model
+// of a hundred 75-node forwards does not pay 2^23 visits a hundred times per stats().)
+constexpr i64 kBuildPasses = 6;            // what building a block's problem costs, in passes
+constexpr i64 kMaxSearchDepth = 4096;      // launches deep, at most
+constexpr std::size_t kPackStarts = 64;    // greedy packings tried
+
+class BlockSearch {
+ public:
+  // `block`: 2 or 3 signatures that launch kernels.
+  BlockSearch(const Nodes& nodes, const Signatures& sigs, const std::vector<std::int32_t>& block)
+      : k_(static_cast<int>(block.size())) {
+    const Local n = nodes.n;
+    std::vector<std::int8_t> letter(n, -1);
+    std::vector<bool> before(n, false), after(n, false);  // a node of B at or before / after v
+    for (Local v = 0; v < n; ++v) {
+      for (int l = 0; l < k_; ++l)
+        if (sigs.of[v] == block[l]) letter[v] = static_cast<std::int8_t>(l);
+      bool b = letter[v] >= 0;
+      for_each_input(nodes, v, [&](Local u) { b = b || before[u]; });
+      before[v] = b;
+    }
+    for (Local v = n - 1; v >= 0; --v) {
+      if (letter[v] >= 0) after[v] = true;
+      if (after[v]) for_each_input(nodes, v, [&](Local u) { after[u] = true; });
+    }
+    // Nodes of P_B: B's nodes and the free nodes between two of them; a free node with nothing
+    // of B before it is done from the start, one with nothing of B after it does not matter.
+    std::vector<std::int32_t> id(n, -1);
+    for (Local v = 0; v < n; ++v)
+      if (before[v] && after[v]) {
+        id[v] = static_cast<std::int32_t>(letter_.size());
+        letter_.push_back(letter[v]);
+        left_ += letter[v] >= 0;
+      }
+    const auto m = static_cast<std::int32_t>(letter_.size());
+    indegree_.assign(m, 0);
+    ptr_.assign(static_cast<std::size_t>(m) + 1, 0);
+    for (Local v = 0; v < n; ++v)
+      if (id[v] >= 0)
+        for_each_input(nodes, v, [&](Local u) {
+          if (id[u] >= 0) ++indegree_[id[v]], ++ptr_[id[u] + 1];
+        });
+    std::partial_sum(ptr_.begin(), ptr_.end(), ptr_.begin());
+    consumers_.resize(ptr_[m]);
+    std::vector<std::int32_t> fill(ptr_.begin(), ptr_.end() - 1);
+    for (Local v = 0; v < n; ++v)
+      if (id[v] >= 0)
+        for_each_input(nodes, v, [&](Local u) {
+          if (id[u] >= 0) consumers_[fill[id[u]]++] = id[v];
+        });
+    // Per letter l and node: the most l-nodes on one path from the node, counting it.
+    most_after_.assign(static_cast<std::size_t>(k_) * m, 0);
+    for (std::int32_t v = m - 1; v >= 0; --v)
+      for (int l = 0; l < k_; ++l) {
+        std::int32_t best = 0;
+        for (std::int32_t e = ptr_[v]; e < ptr_[v + 1]; ++e)
+          best = std::max(best, most_after_[l * m + consumers_[e]]);
+        most_after_[l * m + v] = best + (letter_[v] == l);
+      }
+    built_work_ = kBuildPasses * (n + nodes.arg_ptr[n] - nodes.arg_ptr[0]);
+  }
+
+  i64 built_work() const { return built_work_; }
+
+  // A lower bound on opt(P_B), at least `known` (itself a valid bound), exact unless the search
+  // ran past `limit` node and edge visits; adds the visits to `work`.
+  i64 bound(i64 known, i64 limit, i64& work) {
+    waiting_ = indegree_;
+    for (auto& r : ready_) r.clear();
+    trail_.clear();
+    for (std::int32_t v = 0; v < static_cast<std::int32_t>(letter_.size()); ++v)
+      if (waiting_[v] == 0 && letter_[v] >= 0) ready_[letter_[v]].push_back(v);  // free nodes wait on B
+    limit_ = limit;
+    work_ = 0;
+    i64 threshold = std::max<i64>(known, heuristic());
+    for (;; ++threshold) {
+      threshold_ = threshold;
+      out_of_budget_ = false;
+      const bool found = search(0, -1, 0);
+      if (found || out_of_budget_) break;  // opt, or the last threshold proven
+    }
+    work += work_;
+    return threshold;
+  }
+
+ private:
+  i64 heuristic() {
+    const auto m = static_cast<std::int32_t>(letter_.size());
+    i64 h = 0;
+    for (int l = 0; l < k_; ++l) {
+      std::int32_t best = 0;
+      for (const auto& r : ready_)
+        for (std::int32_t v : r) best = std::max(best, most_after_[l * m + v]);
+      h += best;
+    }
+    for (const auto& r : ready_) work_ += static_cast<i64>(r.size());
+    return h;
+  }
+
+  // Whether a schedule of at most threshold_ launches in all exists after g launches, the last
+  // of letter `last` (-1: none) having made ready nodes of the letters in `enabled`.
+  bool search(i64 g, int last, unsigned enabled) {
+    if (left_ == 0) return true;
+    if (g + heuristic() > threshold_) return false;
+    if (work_ > limit_ || g > kMaxSearchDepth) {  // the depth: recursion, on the stack
+      out_of_budget_ = true;
+      return false;
+    }
+    for (int l = 0; l < k_; ++l) {
+      if (ready_[l].empty()) continue;
+      if (last >= 0 && !(enabled >> l & 1u) && l <= last) continue;  // pruning (b)
+      // Launch l: its ready nodes, then the free nodes that become done, onto the trail.
+      const std::size_t mark = trail_.size(), taken = ready_[l].size();
+      std::array<std::size_t, 3> sizes{};
+      trail_.insert(trail_.end(), ready_[l].begin(), ready_[l].end());
+      ready_[l].clear();
+      for (int o = 0; o < k_; ++o) sizes[o] = ready_[o].size();
+      unsigned made = 0;
+      for (std::size_t i = mark; i < trail_.size(); ++i) {
+        const std::int32_t v = trail_[i];
+        for (std::int32_t e = ptr_[v]; e < ptr_[v + 1]; ++e) {
+          const std::int32_t w = consumers_[e];
+          if (--waiting_[w] > 0) continue;
+          if (letter_[w] >= 0) {
+            ready_[letter_[w]].push_back(w);
+            made |= 1u << letter_[w];
+          } else {
+            trail_.push_back(w);
+          }
+        }
+        work_ += 1 + ptr_[v + 1] - ptr_[v];
+      }
+      left_ -= static_cast<i64>(taken);
+      const bool found = search(g + 1, l, made);
+      // Undo.
+      left_ += static_cast<i64>(taken);
+      for (std::size_t i = mark; i < trail_.size(); ++i)
+        for (std::int32_t e = ptr_[trail_[i]]; e < ptr_[trail_[i] + 1]; ++e)
+          ++waiting_[consumers_[e]];
+      for (int o = 0; o < k_; ++o) ready_[o].resize(sizes[o]);
+      ready_[l].assign(trail_.begin() + static_cast<std::ptrdiff_t>(mark),
+                       trail_.begin() + static_cast<std::ptrdiff_t>(mark + taken));
+      trail_.resize(mark);
+      if (found) return true;
+      if (out_of_budget_) return false;
+    }
+    return false;
+  }
+
+  int k_;
+  std::vector<std::int8_t> letter_;  // per node of P_B: its index in B, -1 if free
+  std::vector<std::int32_t> indegree_, ptr_, consumers_, most_after_;
+  i64 left_ = 0;  // nodes of B not done
+  i64 built_work_ = 0;
+  // Search state.
+  std::vector<std::int32_t> waiting_, trail_;
+  std::array<std::vector<std::int32_t>, 3> ready_;
+  i64 threshold_ = 0, limit_ = 0, work_ = 0;
+  bool out_of_budget_ = false;
+};
+
+// The forward's sum of A_s plus what blocks add over their signatures' A_s, the best of two
+// packings of disjoint blocks: the pairs alone by the pair bound (greedy by gain), and pairs
+// and triples by their searched bounds (greedy by gain per signature).
+i64 tight_bound_of(const Nodes& nodes, const OpFlagsOf& flags_of, bool pairs_only) {
   const Signatures sigs = compact_signatures(nodes);
   const std::vector<OpFlags> flags = signature_flags(nodes, sigs, flags_of);
   const std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
   const auto n_sigs = static_cast<i64>(sigs.count());
   std::vector<std::int32_t> most(n_sigs, 0);
   for (Local v = 0; v < nodes.n; ++v) most[sigs.of[v]] = std::max(most[sigs.of[v]], rank[v]);
-  i64 bound = std::accumulate(most.begin(), most.end(), i64{0});
-  std::vector<std::tuple<i64, std::int32_t, std::int32_t>> gains;  // (gain, s, t)
+  const i64 base = std::accumulate(most.begin(), most.end(), i64{0});
+  const i64 edges = nodes.n + nodes.arg_ptr[nodes.n] - nodes.arg_ptr[0];
+  std::vector<std::array<std::int32_t, 3>> triples;
+  const auto pairs = interleaving_candidates(nodes, sigs, flags, &triples);
+  // Per block (a pair: third signature -1): its gain over its signatures' A_s.
+  struct Block {
+    std::array<std::int32_t, 3> sigs;
+    i64 gain;
+  };
+  std::vector<Block> pair_gains, blocks;
+  std::vector<std::pair<i64, i64>> pair_value;  // (s * n_sigs + t, bound), sorted by key
   PairCounts c;
   i64 work = 0;
-  for (const auto& [s, t] : interleaving_candidates(nodes, sigs, flags)) {
+  for (const auto& [s, t] : pairs) {
     if (work > kPairWork) break;
-    work += nodes.n + nodes.arg_ptr[nodes.n] - nodes.arg_ptr[0];
+    work += edges;
     c.count(nodes, sigs.of, s, t);
     const i64 pair = std::max(pair_side(sigs.of, s, most[s], most[t], c.fs, c.bs, c.ft, c.bt),
                               pair_side(sigs.of, t, most[t], most[s], c.ft, c.bt, c.fs, c.bs));
-    if (pair > most[s] + most[t]) gains.emplace_back(pair - most[s] - most[t], s, t);
+    if (pair > most[s] + most[t]) pair_gains.push_back({{s, t, -1}, pair - most[s] - most[t]});
+    pair_value.emplace_back(s * n_sigs + t, pair);
   }
-  // Any matching keeps the bound valid; taking the largest gains first is a good one.
-  std::sort(gains.rbegin(), gains.rend());
-  std::vector<bool> matched(n_sigs, false);
-  for (const auto& [gain, s, t] : gains)
-    if (!matched[s] && !matched[t]) {
-      matched[s] = matched[t] = true;
-      bound += gain;
+  std::sort(pair_value.begin(), pair_value.end());
+  auto value_of = [&](std::int32_t s, std::int32_t t) {  // s < t
+    const auto it = std::lower_bound(pair_value.begin(), pair_value.end(),
+                                     std::make_pair(s * n_sigs + t, i64{-1}));
+    return it != pair_value.end() && it->first == s * n_sigs + t ? it->second
+                                                                 : i64{most[s]} + most[t];
+  };
+  // The searches: pairs, then triples, each within its share of what is left of the budget.
+  const i64 budget = pairs_only ? 0 : std::max(std::min(kSearchWork, kSmallWorkPerEdge * edges),
+                                               kSearchWorkPerEdge * edges);
+  i64 spent = 0;
+  auto search = [&](const std::vector<std::int32_t>& block, i64 known) -> i64 {
+    if (spent + kBuildPasses * edges > budget) return known;
+    BlockSearch block_search(nodes, sigs, block);
+    spent += block_search.built_work();
+    const i64 share = std::max<i64>(edges, (budget - spent) / 8);
+    return block_search.bound(known, share, spent);
+  };
+  for (const auto& [s, t] : pairs) {
+    const i64 value = search({s, t}, value_of(s, t));
+    auto it = std::lower_bound(pair_value.begin(), pair_value.end(),
+                               std::make_pair(s * n_sigs + t, i64{-1}));
+    if (it != pair_value.end() && it->first == s * n_sigs + t) it->second = value;
+    if (value > most[s] + most[t]) blocks.push_back({{s, t, -1}, value - most[s] - most[t]});
+  }
+  for (const auto& b : triples) {
+    const i64 own = i64{most[b[0]]} + most[b[1]] + most[b[2]];
+    const i64 known = std::max({value_of(b[0], b[1]) + most[b[2]],
+                                value_of(b[0], b[2]) + most[b[1]],
+                                value_of(b[1], b[2]) + most[b[0]]});
+    const i64 value = search({b[0], b[1], b[2]}, known);
+    if (value > own) blocks.push_back({b, value - own});
+  }
+  // Any packing of disjoint blocks keeps the bound valid. Greedy by gain per signature, ties to
+  // blocks whose signatures fewer other blocks want, started from each of the first few blocks
+  // in that order; and the pairs alone in the pair bound's own order, so never below it.
+  auto pack = [&](const std::vector<Block>& list, std::size_t first) {
+    std::vector<bool> used(n_sigs, false);
+    i64 gain = 0;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const Block& b = list[i == 0 ? first : i <= first ? i - 1 : i];
+      const int size = b.sigs[2] < 0 ? 2 : 3;
+      bool free = true;
+      for (int j = 0; j < size; ++j) free = free && !used[b.sigs[j]];
+      if (!free) continue;
+      for (int j = 0; j < size; ++j) used[b.sigs[j]] = true;
+      gain += b.gain;
     }
-  return bound;
+    return gain;
+  };
+  std::vector<i64> wanted(n_sigs, 0);
+  for (const Block& b : blocks)
+    for (std::int32_t s : b.sigs)
+      if (s >= 0) ++wanted[s];
+  auto demand = [&](const Block& b) {
+    return wanted[b.sigs[0]] + wanted[b.sigs[1]] + (b.sigs[2] < 0 ? 0 : wanted[b.sigs[2]]);
+  };
+  std::stable_sort(blocks.begin(), blocks.end(), [&](const Block& a, const Block& b) {
+    const i64 size_a = a.sigs[2] < 0 ? 2 : 3, size_b = b.sigs[2] < 0 ? 2 : 3;
+    if (a.gain * size_b != b.gain * size_a) return a.gain * size_b > b.gain * size_a;
+    return demand(a) < demand(b);
+  });
+  std::sort(pair_gains.begin(), pair_gains.end(), [](const Block& a, const Block& b) {
+    return std::tie(a.gain, a.sigs) > std::tie(b.gain, b.sigs);  // the pair bound's own order
+  });
+  i64 gain = pack(pair_gains, 0);
+  for (std::size_t first = 0; first < std::min<std::size_t>(blocks.size(), kPackStarts); ++first)
+    gain = std::max(gain, pack(blocks, first));
+  return base + gain;
 }
 
 }  // namespace
@@ -947,10 +1242,10 @@ std::vector<std::int32_t> signature_ranks(const Nodes& nodes, const OpFlagsOf& f
 }
 
 i64 tight_bound(const Nodes& all, const std::vector<i64>& forward_ends,
-                const OpFlagsOf& flags_of) {
+                const OpFlagsOf& flags_of, bool pairs_only) {
   i64 bound = 0, begin = 0;
   for (i64 end : forward_ends) {  // forwards count on their own, as in lower_bound
-    bound += tight_bound_of(one_forward(all, begin, end), flags_of);
+    bound += tight_bound_of(one_forward(all, begin, end), flags_of, pairs_only);
     begin = end;
   }
   return bound;

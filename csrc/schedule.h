@@ -64,10 +64,12 @@ i64 lower_bound(const Nodes& all, const std::vector<i64>& forward_ends,
 
 // A bound at least lower_bound's that no schedule can beat either, tighter where signatures
 // interleave differently on different paths (tanh then sigmoid on one, sigmoid then tanh on
-// another): per forward, lower_bound's sum plus what pairs of signatures matched one to one
-// must add over their two counts. The proof is beside tight_bound_of in schedule.cpp.
+// another): per forward, lower_bound's sum plus what disjoint blocks of two or three
+// signatures must add over their own counts (a pair bound from counts along paths, and a
+// budgeted exact search per block). The proofs are beside tight_bound_of in schedule.cpp.
+// `pairs_only`: the pair bound's matching alone (the earlier tight bound, for tests).
 i64 tight_bound(const Nodes& all, const std::vector<i64>& forward_ends,
-                const OpFlagsOf& flags_of);
+                const OpFlagsOf& flags_of, bool pairs_only = false);
 
 // Why a signature took more launches than its bound, per interned signature of the first n
 // nodes: its bound (summed over forwards) and, for the nodes that missed the first launch of

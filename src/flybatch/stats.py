@@ -12,11 +12,14 @@ and memory linear in nodes + edges whatever the number of signatures.
 signatures interleave differently on different paths: with tanh then sigmoid on one path and
 sigmoid then tanh on another, each signature alone needs one launch, but together they need
 three. Launches read in order form a word of signatures that holds every path's word as a
-subsequence; pairs of signatures, matched one to one, each add what the word restricted to the
-pair must have beyond the two signatures' own counts (proof in csrc/schedule.cpp, beside
-`tight_bound_of`). Only pairs with edges both ways are tried, each costing a pass over the
-forward, so it is computed only when asked for. Where `launches == tight_bound` the schedule is
-optimal; `launches_over_tight` is the ratio that means something when signatures interleave.
+subsequence; disjoint blocks of two or three signatures each add what the word restricted to
+the block must have beyond the signatures' own counts: a pair bound from counts along paths,
+and a budgeted exact search of each block's fewest launches with the other signatures made free
+(proofs in csrc/schedule.cpp, beside `tight_bound_of`). Only signatures of one strongly
+connected component of the signature graph are tried, within a work budget per forward (a few
+milliseconds on small graphs, about 1 us per node on 100k-node ones), so it is computed only
+when asked for. Where `launches == tight_bound` the schedule is optimal; `launches_over_tight`
+is the ratio that means something when signatures interleave.
 
 `splits` says, per signature, why it took more launches than its own bound: the nodes that
 missed the first launch of their (signature, rank) group waited on inputs computed at or after
@@ -58,7 +61,7 @@ class Stats:
     @cached_property
     def tight_bound(self) -> int:
         """Launches no schedule can beat, counting interleaved signatures; computed on first use
-        (a pass over the graph per pair of signatures with edges both ways)."""
+        (passes over the graph per pair or triple of interleaving signatures, within a budget)."""
         return self._tight()
 
     @cached_property
