@@ -18,9 +18,9 @@ and a budgeted exact search of each block's fewest launches with the other signa
 (proofs in csrc/schedule.cpp, beside `tight_bound_of`). Only signatures of one strongly
 connected component of the signature graph are tried, within a work budget per forward (at
 most 2^23 visits, and 4096 per node and edge: milliseconds on small graphs, about 1 us per
-node on 100k-node ones), so it is computed only
-when asked for. Where `launches == tight_bound` the schedule is optimal; `launches_over_tight`
-is the ratio that means something when signatures interleave.
+node on 100k-node ones), so it is computed only when asked for. Where `launches ==
+tight_bound` the schedule is optimal; `launches_over_tight` is the ratio that means something
+when signatures interleave.
 
 `splits` says, per signature, why it took more launches than its own bound: the nodes that
 missed the first launch of their (signature, rank) group waited on inputs computed at or after
