@@ -343,7 +343,7 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 //     tuple, keyword) is shadowed in the current graph (Graph.shadows, by id), or is a leaf
 //     parameter that requires grad, unless the call writes in place or an optimizer's step runs
 //     (capture._thread.optimizer_step).
-// A recorded call goes to capture.torch_call(func, args, kwargs); any other runs as
+// A recorded call goes to torch_call(func, args, kwargs) (below); any other runs as
 // func(*args, **kwargs) (torch has taken the mode off its stack while we run).
 PyObject* g_expression_type = nullptr;  // graph.Expression
 PyObject* g_describe = nullptr;         // capture._DESCRIBE (a frozenset of names)
@@ -353,7 +353,11 @@ PyObject* g_rebound_attributes = nullptr;   // capture._REBOUND_ATTRIBUTES
 PyObject* g_forget = nullptr;           // capture._forget
 PyObject* g_current = nullptr;          // graph._current (a ContextVar)
 PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
-PyObject* g_torch_call = nullptr;       // capture.torch_call
+PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
+PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
+PyObject* g_unhandled = nullptr;        // capture._unhandled
+PyObject* s_stacklevel = nullptr;       // "_stacklevel"
+PyObject* s_inplace = nullptr;          // "inplace"
 PyObject* s_name = nullptr;             // "__name__"
 PyObject* s_self = nullptr;             // "__self__"
 PyObject* s_optimizer_step = nullptr;   // "optimizer_step"
@@ -517,6 +521,63 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
   return false;
 }
 
+// capture.torch_call, the head of every recorded call (the front end's, and those of
+// Expression's methods): the keywords that are not part of the computation dropped, in-place
+// writes into an expression refused, then the function's handler; a call without one, or whose
+// handler declines it (NotImplemented), goes on in capture._unhandled (in-place writes into
+// tensors, out=, generic nodes). In Python this head cost ~0.3 us per recorded call.
+PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
+  const int stacklevel = PyDict_Contains(given, s_stacklevel);
+  if (stacklevel < 0) throw PythonError{};
+  // nn.LogSoftmax's warning depth: not part of the computation
+  Owned kwargs{stacklevel ? PyDict_Copy(given) : Py_NewRef(given)};
+  if (stacklevel && PyDict_DelItem(kwargs.get(), s_stacklevel) < 0) throw PythonError{};
+  PyObject* inplace = PyDict_GetItemWithError(kwargs.get(), s_inplace);  // borrowed
+  if (!inplace && PyErr_Occurred()) throw PythonError{};
+  if (inplace == Py_True && PyTuple_GET_SIZE(args)) {
+    const int expression = PyObject_IsInstance(PyTuple_GET_ITEM(args, 0), g_expression_type);
+    if (expression < 0) throw PythonError{};
+    // Run as a generic node it would overwrite the batch holding its input's value.
+    if (expression) {
+      PyObject* refused = PyObject_CallOneArg(g_refuse_inplace, func);  // raises TypeError
+      Py_XDECREF(refused);
+      if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "capture._refuse_inplace returned");
+      throw PythonError{};
+    }
+  }
+  PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
+  if (!handler && PyErr_Occurred()) throw PythonError{};
+  if (handler) {
+    Py_INCREF(handler);  // (a handler may change _HANDLERS while it runs)
+    Owned held{handler};
+    PyObject* out = checked(
+        PyObject_Call(handler, args, PyDict_GET_SIZE(kwargs.get()) ? kwargs.get() : nullptr));
+    if (out != Py_NotImplemented) return out;
+    Py_DECREF(out);
+  }
+  PyObject* call[3] = {func, args, kwargs.get()};
+  return checked(PyObject_Vectorcall(g_unhandled, call, 3, nullptr));
+}
+
+const char kTorchCallDoc[] =
+    "torch_call(func, args, kwargs) -> Expression (or what the call returns)\n\n"
+    "Records func(*args, **kwargs), a call that involves the graph, as nodes: by its handler "
+    "in capture._HANDLERS, else capture._unhandled (configure_front first).";
+
+PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  try {
+    if (argc != 3 || !PyDict_Check(argv[2]))
+      raise(PyExc_TypeError, "torch_call(func, args, kwargs: dict)");
+    if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");
+    Owned args{PySequence_Tuple(argv[1])};
+    return record(argv[0], args.get(), argv[2]);
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
 const char kTorchFunctionDoc[] =
     "__torch_function__(func, types, args=(), kwargs=None)\n\n"
     "Records the torch calls that involve the graph (capture.torch_call); runs every other "
@@ -532,9 +593,8 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     if (kwargs && !PyDict_Check(kwargs)) raise(PyExc_TypeError, "kwargs must be a dict");
     if (kwargs && !PyDict_GET_SIZE(kwargs)) kwargs = nullptr;
     if (involves_graph(func, argv[1], args.get(), kwargs)) {
-      Owned empty{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
-      PyObject* call[3] = {func, args.get(), empty.get()};
-      return PyObject_Vectorcall(g_torch_call, call, 3, nullptr);
+      Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
+      return record(func, args.get(), given.get());
     }
     return PyObject_Call(func, args.get(), kwargs);
   } catch (const PythonError&) {
@@ -551,19 +611,21 @@ PyMethodDef kTorchFunction = {
 
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, expression_type, describe, rebinds, recorded_properties, "
-    "rebound_attributes, forget, current, thread, torch_call)\n\n"
+    "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
-    "reads and calls: graph.Expression, capture._DESCRIBE, _REBINDS, _RECORDED_PROPERTIES, "
-    "_REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, capture.torch_call.";
+    "and torch_call read and call: graph.Expression, capture._DESCRIBE, _REBINDS, "
+    "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
+    "_HANDLERS, _refuse_inplace, _unhandled.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *expression_type, *describe, *rebinds, *recorded, *rebound, *forget,
-      *current, *thread, *call;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO:configure_front", &PyType_Type, &mode_class,
+      *current, *thread, *handlers, *refuse_inplace, *unhandled;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
                         &PyType_Type, &expression_type,
                         &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &rebinds,
                         &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
-                        &PyContextVar_Type, &current, &thread, &call))
+                        &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
+                        &refuse_inplace, &unhandled))
     return nullptr;
   Py_XSETREF(g_expression_type, Py_NewRef(expression_type));
   Py_XSETREF(g_describe, Py_NewRef(describe));
@@ -573,7 +635,9 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_forget, Py_NewRef(forget));
   Py_XSETREF(g_current, Py_NewRef(current));
   Py_XSETREF(g_thread, Py_NewRef(thread));
-  Py_XSETREF(g_torch_call, Py_NewRef(call));
+  Py_XSETREF(g_handlers, Py_NewRef(handlers));
+  Py_XSETREF(g_refuse_inplace, Py_NewRef(refuse_inplace));
+  Py_XSETREF(g_unhandled, Py_NewRef(unhandled));
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
   PyObject* method = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
   if (!method) return nullptr;
@@ -591,6 +655,8 @@ PyMethodDef kCaptureMethods[] = {
      METH_FASTCALL, kAppendPlannedDoc},
     {"configure_capture", configure_capture, METH_VARARGS, kConfigureDoc},
     {"configure_front", configure_front, METH_VARARGS, kConfigureFrontDoc},
+    {"torch_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_call)),
+     METH_FASTCALL, kTorchCallDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -616,7 +682,9 @@ bool register_capture(PyObject* module) {
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_is_leaf = PyUnicode_InternFromString("is_leaf");
   s_dunder = PyUnicode_InternFromString("__");
-  return s_name && s_self && s_optimizer_step && s_closed && s_requires_grad && s_is_leaf &&
+  s_stacklevel = PyUnicode_InternFromString("_stacklevel");
+  s_inplace = PyUnicode_InternFromString("inplace");
+  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_requires_grad && s_is_leaf &&
          s_dunder && s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_fixed_dtype &&
          s_hash && s_open_tuple && s_open_list && s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;

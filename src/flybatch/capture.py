@@ -122,19 +122,23 @@ _optimizer.register_optimizer_step_pre_hook(_step_begins)
 _optimizer.register_optimizer_step_post_hook(_step_ends)
 
 
-def torch_call(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Record `func(*args, **kwargs)` (a call that involves the graph) as nodes."""
-    if "_stacklevel" in kwargs:  # nn.LogSoftmax's warning depth: not part of the computation
-        kwargs = {k: v for k, v in kwargs.items() if k != "_stacklevel"}
-    if kwargs.get("inplace") is True and args and isinstance(args[0], Expression):
-        # Run as a generic node it would overwrite the batch holding its input's value.
-        raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
-                        "expression, which has no storage; use inplace=False")
-    handler = _HANDLERS.get(func)
-    if handler is not None:
-        out = handler(*args, **kwargs)
-        if out is not NotImplemented:
-            return out
+# `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
+# graph, as nodes. Its head is in C (`_core.torch_call`, capture.cpp; every recorded call goes
+# through it): `_stacklevel` (nn.LogSoftmax's warning depth, not part of the computation)
+# dropped, `inplace=True` on an expression refused (`_refuse_inplace`), then the function's
+# handler in `_HANDLERS`; a call without one, or whose handler returns NotImplemented, goes on
+# in `_unhandled`.
+torch_call = _core.torch_call
+
+
+def _refuse_inplace(func: Callable) -> None:
+    # Run as a generic node it would overwrite the batch holding its input's value.
+    raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
+                    "expression, which has no storage; use inplace=False")
+
+
+def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A recorded call no handler took: an in-place write, or a generic node."""
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.startswith("__") or name == "__setitem__" or \
             name.startswith("__i") and name[3:-2] in _INPLACE_DUNDERS:
@@ -155,8 +159,6 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 
 
 Expression.__torch_function__ = classmethod(_torch_function)
-_core.configure_front(_Capture, Expression, _DESCRIBE, _REBINDS, _RECORDED_PROPERTIES,
-                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, torch_call)
 
 
 def _name(func: Callable) -> str:
@@ -1308,6 +1310,10 @@ def _hidden_of(states, lstm):
 
 
 _HANDLERS: dict[Callable, Callable] = {}
+# The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
+_core.configure_front(_Capture, Expression, _DESCRIBE, _REBINDS, _RECORDED_PROPERTIES,
+                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS, _refuse_inplace,
+                      _unhandled)
 
 
 def _register(funcs, handler) -> None:
