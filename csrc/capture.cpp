@@ -583,16 +583,28 @@ const char kTorchFunctionDoc[] =
     "Records the torch calls that involve the graph (capture.torch_call); runs every other "
     "call as it is (flybatch._core, capture.cpp).";
 
-PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyObject* kwnames) {
   try {
-    if (argc < 2 || argc > 4)
-      raise(PyExc_TypeError, "__torch_function__(func, types, args=(), kwargs=None)");
-    PyObject* func = argv[0];
-    Owned args{argc > 2 ? PySequence_Tuple(argv[2]) : PyTuple_New(0)};
-    PyObject* kwargs = argc > 3 && argv[3] != Py_None ? argv[3] : nullptr;
+    // (func, types, args=(), kwargs=None), by position (as torch calls it) or by name.
+    static const char* const names[] = {"func", "types", "args", "kwargs"};
+    PyObject* given[4] = {};
+    const char* usage = "__torch_function__(func, types, args=(), kwargs=None)";
+    if (argc > 4) raise(PyExc_TypeError, usage);
+    std::copy(argv, argv + argc, given);
+    for (Py_ssize_t j = 0; kwnames && j < PyTuple_GET_SIZE(kwnames); ++j) {
+      int k = 0;
+      while (k < 4 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, j), names[k]))
+        ++k;
+      if (k == 4 || given[k]) raise(PyExc_TypeError, usage);
+      given[k] = argv[argc + j];
+    }
+    if (!given[0] || !given[1]) raise(PyExc_TypeError, usage);
+    PyObject* func = given[0];
+    Owned args{given[2] ? PySequence_Tuple(given[2]) : PyTuple_New(0)};
+    PyObject* kwargs = given[3] && given[3] != Py_None ? given[3] : nullptr;
     if (kwargs && !PyDict_Check(kwargs)) raise(PyExc_TypeError, "kwargs must be a dict");
     if (kwargs && !PyDict_GET_SIZE(kwargs)) kwargs = nullptr;
-    if (involves_graph(func, argv[1], args.get(), kwargs)) {
+    if (involves_graph(func, given[1], args.get(), kwargs)) {
       Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
       return record(func, args.get(), given.get());
     }
@@ -606,8 +618,8 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 
 PyMethodDef kTorchFunction = {
     "__torch_function__",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)), METH_FASTCALL,
-    kTorchFunctionDoc};
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
+    METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
 
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, expression_type, describe, rebinds, recorded_properties, "
