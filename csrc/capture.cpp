@@ -396,10 +396,11 @@ bool is_tensor(PyObject* x) {
   return tensor;
 }
 
-// What a recorded call needs to know about the current graph and thread, read at the first
-// tensor argument (most calls that run as they are have none).
+// The scan of a call's tensor arguments for a shadowed tensor or a parameter. What it needs of
+// the current graph and thread is read at the first tensor (most calls that run as they are,
+// `torch.tensor([3])`, have none).
 struct Scan {
-  bool inplace;
+  bool inplace = false;         // the call writes into its first argument
   bool ready = false;
   PyObject* shadows = nullptr;  // owned: the current open graph's non-empty dict, or NULL
   bool params = false;          // parameters are recorded (no optimizer step runs)
@@ -501,13 +502,11 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
     }
   }
   Scan scan{};
-  if (PyUnicode_Check(name.get())) {
+  if (PyUnicode_Check(name.get())) {  // `add_`, `__setitem__`; not `__add__`
     const Py_ssize_t n = PyUnicode_GET_LENGTH(name.get());
     const bool dunder = PyUnicode_Tailmatch(name.get(), s_dunder, 0, n, -1) == 1;
     const bool underscore = n > 0 && PyUnicode_READ_CHAR(name.get(), n - 1) == '_';
     scan.inplace = (underscore && !dunder) || name_is(name.get(), "__setitem__");
-  } else {
-    scan.inplace = false;
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
     if (scan.any(PyTuple_GET_ITEM(args, i))) return true;
@@ -651,7 +650,8 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_refuse_inplace, Py_NewRef(refuse_inplace));
   Py_XSETREF(g_unhandled, Py_NewRef(unhandled));
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
-  PyObject* method = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
+  PyObject* method =
+      PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
   if (!method) return nullptr;
   const int set = PyObject_SetAttrString(mode_class, "__torch_function__", method);
   Py_DECREF(method);
@@ -696,9 +696,10 @@ bool register_capture(PyObject* module) {
   s_dunder = PyUnicode_InternFromString("__");
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_requires_grad && s_is_leaf &&
-         s_dunder && s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_fixed_dtype &&
-         s_hash && s_open_tuple && s_open_list && s_close && s_bar &&
+  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
+         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
+         s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
+         s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 
