@@ -45,6 +45,9 @@ PyObject* s_open_list = nullptr;        // "["
 PyObject* s_close = nullptr;            // ")"
 PyObject* s_bar = nullptr;              // "|"
 PyObject* s_slice = nullptr;            // "slice"
+PyObject* s_requires_grad = nullptr;    // "requires_grad"
+PyObject* s_is_leaf = nullptr;          // "is_leaf"
+PyObject* s_dunder = nullptr;           // "__"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
@@ -326,6 +329,336 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// ---- the capture mode's front end -------------------------------------------------------
+// `_Capture.__torch_function__`: every torch call inside a graph block comes here first (~31k
+// per Tree-LSTM minibatch), most of them to be recorded, the rest (`torch.tensor([3])`) to run
+// as they are. Deciding which in Python cost ~0.5-1 us a call; here it is a few type checks.
+// The rules (capture.py's comments say why each is there):
+//   * an Expression type among `types`: recorded;
+//   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs;
+//   * a name in capture._DESCRIBE or capture._REBINDS: runs, and a rebind (a name in _REBINDS,
+//     or `__set__` of an attribute in _REBOUND_ATTRIBUTES) first makes the live graphs forget
+//     its tensor (capture._forget);
+//   * otherwise recorded if a tensor among the arguments (positional, one level into a list or
+//     tuple, keyword) is shadowed in the current graph (Graph.shadows, by id), or is a leaf
+//     parameter that requires grad, unless the call writes in place or an optimizer's step runs
+//     (capture._thread.optimizer_step).
+// A recorded call goes to torch_call(func, args, kwargs) (below); any other runs as
+// func(*args, **kwargs) (torch has taken the mode off its stack while we run).
+PyObject* g_expression_type = nullptr;  // graph.Expression
+PyObject* g_describe = nullptr;         // capture._DESCRIBE (a frozenset of names)
+PyObject* g_rebinds = nullptr;          // capture._REBINDS
+PyObject* g_recorded_properties = nullptr;  // capture._RECORDED_PROPERTIES
+PyObject* g_rebound_attributes = nullptr;   // capture._REBOUND_ATTRIBUTES
+PyObject* g_forget = nullptr;           // capture._forget
+PyObject* g_current = nullptr;          // graph._current (a ContextVar)
+PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
+PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
+PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
+PyObject* g_unhandled = nullptr;        // capture._unhandled
+PyObject* s_stacklevel = nullptr;       // "_stacklevel"
+PyObject* s_inplace = nullptr;          // "inplace"
+PyObject* s_name = nullptr;             // "__name__"
+PyObject* s_self = nullptr;             // "__self__"
+PyObject* s_optimizer_step = nullptr;   // "optimizer_step"
+PyObject* s_closed = nullptr;           // "closed"
+
+// getattr(x, name, default) as a new reference.
+PyObject* attr_or(PyObject* x, PyObject* name, PyObject* default_value) {
+  PyObject* value = PyObject_GetAttr(x, name);
+  if (value) return value;
+  if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw PythonError{};
+  PyErr_Clear();
+  return Py_NewRef(default_value);
+}
+
+bool truth(PyObject* x) {
+  const int t = PyObject_IsTrue(x);
+  if (t < 0) throw PythonError{};
+  return t;
+}
+
+bool contains(PyObject* set, PyObject* item) {
+  const int found = PySet_Contains(set, item);
+  if (found < 0) throw PythonError{};
+  return found;
+}
+
+// isinstance(x, torch.Tensor), without the metaclass's __instancecheck__ call for the common
+// cases: a tensor (or subclass) by its type, and the plain scalars that fill argument lists.
+bool is_tensor(PyObject* x) {
+  if (PyType_IsSubtype(Py_TYPE(x), reinterpret_cast<PyTypeObject*>(g_tensor_type))) return true;
+  if (PyLong_CheckExact(x) || PyFloat_CheckExact(x) || x == Py_None || PyBool_Check(x) ||
+      PyUnicode_CheckExact(x))
+    return false;
+  const int tensor = PyObject_IsInstance(x, g_tensor_type);
+  if (tensor < 0) throw PythonError{};
+  return tensor;
+}
+
+// The scan of a call's tensor arguments for a shadowed tensor or a parameter. What it needs of
+// the current graph and thread is read at the first tensor (most calls that run as they are,
+// `torch.tensor([3])`, have none).
+struct Scan {
+  bool inplace = false;         // the call writes into its first argument
+  bool ready = false;
+  PyObject* shadows = nullptr;  // owned: the current open graph's non-empty dict, or NULL
+  bool params = false;          // parameters are recorded (no optimizer step runs)
+
+  ~Scan() { Py_XDECREF(shadows); }
+
+  void prepare() {
+    ready = true;
+    PyObject* graph = nullptr;
+    if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
+    Owned held{graph};
+    if (graph != Py_None) {
+      const bool closed = PyObject_TypeCheck(graph, &StoreType)
+                              ? reinterpret_cast<Store*>(graph)->closed
+                              : truth(Owned{PyObject_GetAttr(graph, s_closed)}.get());
+      if (!closed) {
+        Owned s{PyObject_GetAttr(graph, s_shadows)};
+        if (truth(s.get())) shadows = s.release();
+      }
+    }
+    Owned step{attr_or(g_thread, s_optimizer_step, Py_False)};
+    params = !truth(step.get());
+  }
+
+  bool involves(PyObject* x) {  // x: a tensor argument
+    if (!ready) prepare();
+    if (!params && !shadows) return false;
+    if (shadows) {
+      Owned id{PyLong_FromVoidPtr(x)};
+      const int shadowed = PySequence_Contains(shadows, id.get());
+      if (shadowed < 0) throw PythonError{};
+      if (shadowed) return true;
+    }
+    // A parameter (a leaf that requires grad): recorded, so its uses batch. A computed tensor
+    // with grad (a value the graph returned, an eager result) runs eagerly, which is exactly
+    // right, and a peek like `value.detach()` stays a tensor.
+    if (!params || inplace) return false;
+    if (!truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get())) return false;
+    return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
+  }
+
+  bool any(PyObject* x) {  // an argument: a tensor, or a list / tuple holding tensors
+    if (is_tensor(x)) return involves(x);
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {
+      // (a list may change under a Python call made here: index it afresh each time)
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); ++i) {
+        PyObject* y = PySequence_Fast_GET_ITEM(x, i);
+        Py_INCREF(y);
+        Owned held{y};
+        if (is_tensor(y) && involves(y)) return true;
+      }
+    }
+    return false;
+  }
+};
+
+bool name_is(PyObject* name, const char* text) {
+  return PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, text) == 0;
+}
+
+// __name__ of func.__self__ (a property's descriptor), or "".
+PyObject* owner_name(PyObject* func) {
+  Owned empty{PyUnicode_FromString("")};
+  Owned owner{attr_or(func, s_self, Py_None)};
+  return attr_or(owner.get(), s_name, empty.get());
+}
+
+bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs) {
+  {
+    Owned seq{PySequence_Fast(types, "types must be a sequence")};
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+      PyObject* t = PySequence_Fast_GET_ITEM(seq.get(), i);
+      const int sub = PyType_Check(t) ? PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(t),
+                                            reinterpret_cast<PyTypeObject*>(g_expression_type))
+                                      : PyObject_IsSubclass(t, g_expression_type);
+      if (sub < 0) throw PythonError{};
+      if (sub) return true;
+    }
+  }
+  Owned empty{PyUnicode_FromString("")};
+  Owned name{attr_or(func, s_name, empty.get())};
+  if (name_is(name.get(), "__get__")) {
+    Owned owner{owner_name(func)};
+    if (!contains(g_recorded_properties, owner.get())) return false;
+  } else {
+    const bool rebinds = contains(g_rebinds, name.get());
+    if (rebinds || contains(g_describe, name.get())) {
+      bool forget = rebinds;
+      if (!forget && name_is(name.get(), "__set__")) {
+        Owned owner{owner_name(func)};
+        forget = contains(g_rebound_attributes, owner.get());
+      }
+      if (forget) {
+        if (PyTuple_GET_SIZE(args) < 1)
+          raise(PyExc_IndexError, "tuple index out of range");  // as args[0]
+        Owned done{PyObject_CallOneArg(g_forget, PyTuple_GET_ITEM(args, 0))};
+      }
+      return false;
+    }
+  }
+  Scan scan{};
+  if (PyUnicode_Check(name.get())) {  // `add_`, `__setitem__`; not `__add__`
+    const Py_ssize_t n = PyUnicode_GET_LENGTH(name.get());
+    const bool dunder = PyUnicode_Tailmatch(name.get(), s_dunder, 0, n, -1) == 1;
+    const bool underscore = n > 0 && PyUnicode_READ_CHAR(name.get(), n - 1) == '_';
+    scan.inplace = (underscore && !dunder) || name_is(name.get(), "__setitem__");
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
+    if (scan.any(PyTuple_GET_ITEM(args, i))) return true;
+  if (kwargs) {
+    Owned values{PyDict_Values(kwargs)};  // a copy: a Python call may change the dict
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values.get()); ++i) {
+      PyObject* x = PyList_GET_ITEM(values.get(), i);
+      if (is_tensor(x) && scan.involves(x)) return true;
+    }
+  }
+  return false;
+}
+
+// capture.torch_call, the head of every recorded call (the front end's, and those of
+// Expression's methods): the keywords that are not part of the computation dropped, in-place
+// writes into an expression refused, then the function's handler; a call without one, or whose
+// handler declines it (NotImplemented), goes on in capture._unhandled (in-place writes into
+// tensors, out=, generic nodes). In Python this head cost ~0.3 us per recorded call.
+PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
+  const int stacklevel = PyDict_Contains(given, s_stacklevel);
+  if (stacklevel < 0) throw PythonError{};
+  // nn.LogSoftmax's warning depth: not part of the computation
+  Owned kwargs{stacklevel ? PyDict_Copy(given) : Py_NewRef(given)};
+  if (stacklevel && PyDict_DelItem(kwargs.get(), s_stacklevel) < 0) throw PythonError{};
+  PyObject* inplace = PyDict_GetItemWithError(kwargs.get(), s_inplace);  // borrowed
+  if (!inplace && PyErr_Occurred()) throw PythonError{};
+  if (inplace == Py_True && PyTuple_GET_SIZE(args)) {
+    const int expression = PyObject_IsInstance(PyTuple_GET_ITEM(args, 0), g_expression_type);
+    if (expression < 0) throw PythonError{};
+    // Run as a generic node it would overwrite the batch holding its input's value.
+    if (expression) {
+      PyObject* refused = PyObject_CallOneArg(g_refuse_inplace, func);  // raises TypeError
+      Py_XDECREF(refused);
+      if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "capture._refuse_inplace returned");
+      throw PythonError{};
+    }
+  }
+  PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
+  if (!handler && PyErr_Occurred()) throw PythonError{};
+  if (handler) {
+    Py_INCREF(handler);  // (a handler may change _HANDLERS while it runs)
+    Owned held{handler};
+    PyObject* out = checked(
+        PyObject_Call(handler, args, PyDict_GET_SIZE(kwargs.get()) ? kwargs.get() : nullptr));
+    if (out != Py_NotImplemented) return out;
+    Py_DECREF(out);
+  }
+  PyObject* call[3] = {func, args, kwargs.get()};
+  return checked(PyObject_Vectorcall(g_unhandled, call, 3, nullptr));
+}
+
+const char kTorchCallDoc[] =
+    "torch_call(func, args, kwargs) -> Expression (or what the call returns)\n\n"
+    "Records func(*args, **kwargs), a call that involves the graph, as nodes: by its handler "
+    "in capture._HANDLERS, else capture._unhandled (configure_front first).";
+
+PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  try {
+    if (argc != 3 || !PyDict_Check(argv[2]))
+      raise(PyExc_TypeError, "torch_call(func, args, kwargs: dict)");
+    if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");
+    Owned args{PySequence_Tuple(argv[1])};
+    return record(argv[0], args.get(), argv[2]);
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
+const char kTorchFunctionDoc[] =
+    "__torch_function__(func, types, args=(), kwargs=None)\n\n"
+    "Records the torch calls that involve the graph (capture.torch_call); runs every other "
+    "call as it is (flybatch._core, capture.cpp).";
+
+PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyObject* kwnames) {
+  try {
+    // (func, types, args=(), kwargs=None), by position (as torch calls it) or by name.
+    static const char* const names[] = {"func", "types", "args", "kwargs"};
+    PyObject* given[4] = {};
+    const char* usage = "__torch_function__(func, types, args=(), kwargs=None)";
+    if (argc > 4) raise(PyExc_TypeError, usage);
+    std::copy(argv, argv + argc, given);
+    for (Py_ssize_t j = 0; kwnames && j < PyTuple_GET_SIZE(kwnames); ++j) {
+      int k = 0;
+      while (k < 4 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, j), names[k]))
+        ++k;
+      if (k == 4 || given[k]) raise(PyExc_TypeError, usage);
+      given[k] = argv[argc + j];
+    }
+    if (!given[0] || !given[1]) raise(PyExc_TypeError, usage);
+    PyObject* func = given[0];
+    Owned args{given[2] ? PySequence_Tuple(given[2]) : PyTuple_New(0)};
+    PyObject* kwargs = given[3] && given[3] != Py_None ? given[3] : nullptr;
+    if (kwargs && !PyDict_Check(kwargs)) raise(PyExc_TypeError, "kwargs must be a dict");
+    if (kwargs && !PyDict_GET_SIZE(kwargs)) kwargs = nullptr;
+    if (involves_graph(func, given[1], args.get(), kwargs)) {
+      Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
+      return record(func, args.get(), given.get());
+    }
+    return PyObject_Call(func, args.get(), kwargs);
+  } catch (const PythonError&) {
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  return nullptr;
+}
+
+PyMethodDef kTorchFunction = {
+    "__torch_function__",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
+    METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
+
+const char kConfigureFrontDoc[] =
+    "configure_front(mode_class, expression_type, describe, rebinds, recorded_properties, "
+    "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled)\n\n"
+    "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
+    "and torch_call read and call: graph.Expression, capture._DESCRIBE, _REBINDS, "
+    "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
+    "_HANDLERS, _refuse_inplace, _unhandled.";
+
+PyObject* configure_front(PyObject*, PyObject* args) {
+  PyObject *mode_class, *expression_type, *describe, *rebinds, *recorded, *rebound, *forget,
+      *current, *thread, *handlers, *refuse_inplace, *unhandled;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
+                        &PyType_Type, &expression_type,
+                        &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &rebinds,
+                        &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
+                        &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
+                        &refuse_inplace, &unhandled))
+    return nullptr;
+  Py_XSETREF(g_expression_type, Py_NewRef(expression_type));
+  Py_XSETREF(g_describe, Py_NewRef(describe));
+  Py_XSETREF(g_rebinds, Py_NewRef(rebinds));
+  Py_XSETREF(g_recorded_properties, Py_NewRef(recorded));
+  Py_XSETREF(g_rebound_attributes, Py_NewRef(rebound));
+  Py_XSETREF(g_forget, Py_NewRef(forget));
+  Py_XSETREF(g_current, Py_NewRef(current));
+  Py_XSETREF(g_thread, Py_NewRef(thread));
+  Py_XSETREF(g_handlers, Py_NewRef(handlers));
+  Py_XSETREF(g_refuse_inplace, Py_NewRef(refuse_inplace));
+  Py_XSETREF(g_unhandled, Py_NewRef(unhandled));
+  // A method descriptor, so that the mode's instances bind it as they would a Python method.
+  PyObject* method =
+      PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
+  if (!method) return nullptr;
+  const int set = PyObject_SetAttrString(mode_class, "__torch_function__", method);
+  Py_DECREF(method);
+  if (set < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kCaptureMethods[] = {
     {"take_apart", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(take_apart)),
      METH_FASTCALL, kTakeApartDoc},
@@ -333,6 +666,9 @@ PyMethodDef kCaptureMethods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(append_planned_binding)),
      METH_FASTCALL, kAppendPlannedDoc},
     {"configure_capture", configure_capture, METH_VARARGS, kConfigureDoc},
+    {"configure_front", configure_front, METH_VARARGS, kConfigureFrontDoc},
+    {"torch_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_call)),
+     METH_FASTCALL, kTorchCallDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -351,8 +687,19 @@ bool register_capture(PyObject* module) {
   s_slice = PyUnicode_InternFromString("slice");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
-  return s_slice && s_fast && s_add && s_shadows && s_node_dtypes && s_dtype && s_fixed_dtype &&
-         s_hash && s_open_tuple && s_open_list && s_close && s_bar &&
+  s_name = PyUnicode_InternFromString("__name__");
+  s_self = PyUnicode_InternFromString("__self__");
+  s_optimizer_step = PyUnicode_InternFromString("optimizer_step");
+  s_closed = PyUnicode_InternFromString("closed");
+  s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  s_is_leaf = PyUnicode_InternFromString("is_leaf");
+  s_dunder = PyUnicode_InternFromString("__");
+  s_stacklevel = PyUnicode_InternFromString("_stacklevel");
+  s_inplace = PyUnicode_InternFromString("inplace");
+  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
+         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
+         s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
+         s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }
 

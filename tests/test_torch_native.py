@@ -1016,3 +1016,28 @@ def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():
     assert batched.grads["weight"].is_sparse
     torch.testing.assert_close(batched.grads["weight"].to_dense(),
                                eager.grads["weight"].to_dense(), rtol=0, atol=ATOL)
+
+
+def test_the_capture_modes_torch_function_is_called_as_a_python_method_would_be():
+    # `_Capture.__torch_function__` is C (capture.cpp): by position as torch calls it, by name,
+    # with the defaults, and a wrong call a TypeError, as with the Python method it replaced.
+    from flybatch import capture
+
+    mode, E = capture._Capture(), nn.Parameter(torch.randn(4, 3))
+    one = torch.ones(3)
+    assert torch.equal(mode.__torch_function__(torch.add, (), (one, one)), one * 2)
+    assert torch.equal(capture._Capture.__torch_function__(mode, torch.add, (), (one,),
+                                                           {"other": one}), one * 2)
+    assert torch.equal(mode.__torch_function__(func=torch.ones, types=(), args=(3,)), one)
+    with fb.Graph():  # a parameter among the arguments: recorded, by name too
+        row = mode.__torch_function__(torch.Tensor.__getitem__, types=(), args=(E, 1))
+        assert isinstance(row, fb.Expression)
+        value = row.value()
+    assert torch.equal(value, E[1].detach())
+    for bad in (lambda: mode.__torch_function__(torch.add),
+                lambda: mode.__torch_function__(torch.add, (), x=1),
+                lambda: mode.__torch_function__(torch.add, (), (), None, 5),
+                lambda: mode.__torch_function__(torch.add, (), (), func=torch.add),
+                lambda: mode.__torch_function__(torch.add, (), (), [])):
+        with pytest.raises(TypeError):
+            bad()

@@ -53,13 +53,14 @@ Template = Any  # the call's arguments with each tensor operand replaced by a `_
 
 # ---- switching capture on and off --------------------------------------------------------------
 class _Capture(TorchFunctionMode):
-    """Records the torch calls that involve the graph; runs every other call as it is."""
+    """Records the torch calls that involve the graph; runs every other call as it is.
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _involves_graph(func, types, args, kwargs):
-            return torch_call(func, args, kwargs)
-        return func(*args, **kwargs)
+    Its `__torch_function__` (every torch call in a graph block goes through it) is in C,
+    `_core` capture.cpp, installed below: whether a call involves the graph (an expression among
+    its operands, a shadowed tensor, written with an expression, or a parameter, under
+    `torch.no_grad()` too so that an evaluation batches, but not inside an optimizer's step,
+    whose updates are the parameters' own), by the rules of `_DESCRIBE`, `_REBINDS`... below.
+    A recorded call goes to `torch_call`, any other runs as `func(*args, **kwargs)`."""
 
 
 _thread = threading.local()  # torch's mode stack is per thread: so is the depth of `push`
@@ -107,41 +108,6 @@ def _forget(tensor) -> None:
                 graph.forget(tensor)
 
 
-def _involves_graph(func, types, args, kwargs) -> bool:
-    """Whether a call must be recorded: an expression among its operands, a shadowed tensor
-    (written with an expression), or a parameter (under `torch.no_grad()` too, so that an
-    evaluation batches; not inside an optimizer's step, whose updates are the parameters'
-    own)."""
-    for t in types:
-        if issubclass(t, Expression):
-            return True
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        owner = getattr(func, "__self__", None)
-        if getattr(owner, "__name__", "") not in _RECORDED_PROPERTIES:
-            return False
-    elif name in _DESCRIBE or name in _REBINDS:
-        if name in _REBINDS or name == "__set__" and \
-                getattr(getattr(func, "__self__", None), "__name__", "") in _REBOUND_ATTRIBUTES:
-            _forget(args[0])
-        return False
-    graph = _current.get()
-    shadows = graph.shadows if graph is not None and not graph.closed else None
-    params = not getattr(_thread, "optimizer_step", False)
-    if not params and not shadows:
-        return False
-    inplace = name.endswith("_") and not name.startswith("__") or name == "__setitem__"
-    for x in _tensors(args, kwargs):
-        if shadows and id(x) in shadows:
-            return True
-        # A parameter (a leaf that requires grad): recorded, so its uses batch. A computed
-        # tensor with grad (a value the graph returned, an eager result) runs eagerly, which
-        # is exactly right, and a peek like `value.detach()` stays a tensor.
-        if params and x.requires_grad and x.is_leaf and not inplace:
-            return True
-    return False
-
-
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
 # of it (global step hooks of torch.optim; a step that raised is forgotten at the next push).
 def _step_begins(optimizer, args, kwargs) -> None:
@@ -156,32 +122,23 @@ _optimizer.register_optimizer_step_pre_hook(_step_begins)
 _optimizer.register_optimizer_step_post_hook(_step_ends)
 
 
-def _tensors(args, kwargs):
-    for x in args:
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif type(x) in (list, tuple):
-            for y in x:
-                if isinstance(y, torch.Tensor):
-                    yield y
-    for x in kwargs.values():
-        if isinstance(x, torch.Tensor):
-            yield x
+# `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
+# graph, as nodes. Its head is in C (`_core.torch_call`, capture.cpp; every recorded call goes
+# through it): `_stacklevel` (nn.LogSoftmax's warning depth, not part of the computation)
+# dropped, `inplace=True` on an expression refused (`_refuse_inplace`), then the function's
+# handler in `_HANDLERS`; a call without one, or whose handler returns NotImplemented, goes on
+# in `_unhandled`.
+torch_call = _core.torch_call
 
 
-def torch_call(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Record `func(*args, **kwargs)` (a call that involves the graph) as nodes."""
-    if "_stacklevel" in kwargs:  # nn.LogSoftmax's warning depth: not part of the computation
-        kwargs = {k: v for k, v in kwargs.items() if k != "_stacklevel"}
-    if kwargs.get("inplace") is True and args and isinstance(args[0], Expression):
-        # Run as a generic node it would overwrite the batch holding its input's value.
-        raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
-                        "expression, which has no storage; use inplace=False")
-    handler = _HANDLERS.get(func)
-    if handler is not None:
-        out = handler(*args, **kwargs)
-        if out is not NotImplemented:
-            return out
+def _refuse_inplace(func: Callable) -> None:
+    # Run as a generic node it would overwrite the batch holding its input's value.
+    raise TypeError(f"{_name(func)}(inplace=True) writes in place into a flybatch "
+                    "expression, which has no storage; use inplace=False")
+
+
+def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A recorded call no handler took: an in-place write, or a generic node."""
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.startswith("__") or name == "__setitem__" or \
             name.startswith("__i") and name[3:-2] in _INPLACE_DUNDERS:
@@ -1353,6 +1310,10 @@ def _hidden_of(states, lstm):
 
 
 _HANDLERS: dict[Callable, Callable] = {}
+# The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
+_core.configure_front(_Capture, Expression, _DESCRIBE, _REBINDS, _RECORDED_PROPERTIES,
+                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS, _refuse_inplace,
+                      _unhandled)
 
 
 def _register(funcs, handler) -> None:
