@@ -153,15 +153,8 @@ class TreeLSTM(Task):
         return state[id(tree)][0]
 
     def forward_unfused(self, batch, train):
-        if not train:
-            logits = [fb.affine(self.W_out, self._unfused_tree(t, None), self.b_out)
-                      for t in batch]
-            values = fb.current_graph().forward(logits)
-            return torch.stack(values).argmax(1).tolist()
-        losses = []
-        for t in batch:
-            self._unfused_tree(t, losses)
-        return fb.esum(losses)
+        return self._forward_trees(self._unfused_tree,
+                                   lambda h: fb.affine(self.W_out, h, self.b_out), batch, train)
 
     # ---- flybatch: the same per-node code ----------------------------------------------------
     def _fb_tree(self, tree, losses: list | None):
@@ -177,13 +170,18 @@ class TreeLSTM(Task):
         return state[id(tree)].h
 
     def forward_flybatch(self, batch, train):
+        return self._forward_trees(self._fb_tree, self.out, batch, train)
+
+    @staticmethod
+    def _forward_trees(tree_of, logits_of, batch, train):
+        """`tree_of(tree, losses)` over the batch: the summed node losses (train), or each
+        tree's predicted label from `logits_of(h of its root)`, read in one forward."""
         if not train:
-            logits = [self.out(self._fb_tree(t, None)) for t in batch]
-            values = fb.current_graph().forward(logits)
+            values = fb.current_graph().forward([logits_of(tree_of(t, None)) for t in batch])
             return torch.stack(values).argmax(1).tolist()
         losses = []
         for t in batch:
-            self._fb_tree(t, losses)
+            tree_of(t, losses)
         return fb.esum(losses)
 
     # ---- manual: level by level ----------------------------------------------------------------
