@@ -345,7 +345,6 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 //     (capture._thread.optimizer_step).
 // A recorded call goes to torch_call(func, args, kwargs) (below); any other runs as
 // func(*args, **kwargs) (torch has taken the mode off its stack while we run).
-PyObject* g_expression_type = nullptr;  // graph.Expression
 PyObject* g_describe = nullptr;         // capture._DESCRIBE (a frozenset of names)
 PyObject* g_rebinds = nullptr;          // capture._REBINDS
 PyObject* g_recorded_properties = nullptr;  // capture._RECORDED_PROPERTIES
@@ -621,24 +620,23 @@ PyMethodDef kTorchFunction = {
     METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
 
 const char kConfigureFrontDoc[] =
-    "configure_front(mode_class, expression_type, describe, rebinds, recorded_properties, "
+    "configure_front(mode_class, describe, rebinds, recorded_properties, "
     "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
-    "and torch_call read and call: graph.Expression, capture._DESCRIBE, _REBINDS, "
+    "and torch_call read and call (graph.Expression is the one `configure` was given): "
+    "capture._DESCRIBE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
     "_HANDLERS, _refuse_inplace, _unhandled.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
-  PyObject *mode_class, *expression_type, *describe, *rebinds, *recorded, *rebound, *forget,
-      *current, *thread, *handlers, *refuse_inplace, *unhandled;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
-                        &PyType_Type, &expression_type,
+  PyObject *mode_class, *describe, *rebinds, *recorded, *rebound, *forget, *current, *thread,
+      *handlers, *refuse_inplace, *unhandled;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
                         &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &rebinds,
                         &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
                         &refuse_inplace, &unhandled))
     return nullptr;
-  Py_XSETREF(g_expression_type, Py_NewRef(expression_type));
   Py_XSETREF(g_describe, Py_NewRef(describe));
   Py_XSETREF(g_rebinds, Py_NewRef(rebinds));
   Py_XSETREF(g_recorded_properties, Py_NewRef(recorded));

@@ -26,6 +26,7 @@ PyObject* g_current_graph = nullptr;
 PyObject* g_shape_error = nullptr;
 PyObject* g_tensor_type = nullptr;
 PyObject* g_mode_enabled = nullptr;
+PyObject* g_expression_type = nullptr;
 
 bool torch_function_mode_enabled() {
   PyObject* on = PyObject_CallNoArgs(g_mode_enabled);
@@ -36,7 +37,6 @@ bool torch_function_mode_enabled() {
 
 namespace {
 
-PyObject* g_expression_type = nullptr;  // graph.Expression: what new handles are
 PyObject* g_is_grad_enabled = nullptr;  // torch.is_grad_enabled
 // The op table: op code -> ops.Op, shared by every graph (ops are module constants).
 std::vector<PyObject*> g_ops;

@@ -175,6 +175,7 @@ extern PyObject* g_graph_error;     // errors.GraphError
 extern PyObject* g_current_graph;   // graph.current_graph
 extern PyObject* g_shape_error;     // errors.ShapeError
 extern PyObject* g_tensor_type;     // torch.Tensor
+extern PyObject* g_expression_type; // graph.Expression: what new handles are
 extern PyObject* g_mode_enabled;    // torch._C._is_torch_function_mode_enabled
 
 // Whether torch function modes are on in this thread (the capture mode of a graph block): then
