@@ -563,6 +563,7 @@ const char kTorchCallDoc[] =
     "in capture._HANDLERS, else capture._unhandled (configure_front first).";
 
 PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  OwnTimeScope own;  // recording a call is flybatch's part of the build
   try {
     if (argc != 3 || !PyDict_Check(argv[2]))
       raise(PyExc_TypeError, "torch_call(func, args, kwargs: dict)");
@@ -602,9 +603,15 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
     PyObject* kwargs = given[3] && given[3] != Py_None ? given[3] : nullptr;
     if (kwargs && !PyDict_Check(kwargs)) raise(PyExc_TypeError, "kwargs must be a dict");
     if (kwargs && !PyDict_GET_SIZE(kwargs)) kwargs = nullptr;
-    if (involves_graph(func, given[1], args.get(), kwargs)) {
-      Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
-      return record(func, args.get(), given.get());
+    {
+      // Deciding and recording are flybatch's part of the build; a call that runs as it is
+      // (the user's own eager torch work) is not. Torch's dispatch to the mode, before this
+      // function, is not seen.
+      OwnTimeScope own;
+      if (involves_graph(func, given[1], args.get(), kwargs)) {
+        Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
+        return record(func, args.get(), given.get());
+      }
     }
     return PyObject_Call(func, args.get(), kwargs);
   } catch (const PythonError&) {

@@ -64,8 +64,10 @@ PyObject* g_rules[8] = {};          // the operator rules: + - * / @ neg pick sl
 
 enum Operator { kAdd, kSub, kMul, kDiv, kMatmul, kNeg, kPick, kSlice };
 
+// Every binding here creates nodes: its time is flybatch's part of the build (OwnTimeScope).
 template <class Body>
 PyObject* guarded(Body&& body) {
+  OwnTimeScope own;
   try {
     return body();
   } catch (const PythonError&) {

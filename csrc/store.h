@@ -7,6 +7,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <new>
@@ -41,6 +42,40 @@ class Owned {
 
  private:
   PyObject* object_;
+};
+
+// ---- own time: flybatch's part of a graph's build ----------------------------------------------
+// A graph's build time (between its forwards) is the user's per-instance Python plus flybatch's
+// op calls. To report the two apart (the bench's `build_user`), every entry from Python into op
+// creation is an OwnTimeScope: the rules and operators (rules.cpp), the capture's front end
+// (capture.cpp), and the Python functions and fb.nn modules wrapped by `_core.own_time`
+// (store.cpp). Only the outermost of nested scopes reads the clock, and only while measuring is
+// on (`_core.measure_own_time`): off, a scope costs one branch. One interpreter lock, so plain
+// statics suffice.
+struct OwnTime {
+  static inline bool measuring = false;
+  static inline int depth = 0;          // open counted scopes
+  static inline i64 total_ns = 0;       // summed over outermost scopes since the module loaded
+  static inline i64 since_ns = 0;       // when the outermost open scope began
+  static i64 now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+};
+
+class OwnTimeScope {
+ public:
+  OwnTimeScope() : counted_(OwnTime::measuring) {
+    if (counted_ && OwnTime::depth++ == 0) OwnTime::since_ns = OwnTime::now_ns();
+  }
+  ~OwnTimeScope() {
+    if (counted_ && --OwnTime::depth == 0) OwnTime::total_ns += OwnTime::now_ns() - OwnTime::since_ns;
+  }
+  OwnTimeScope(const OwnTimeScope&) = delete;
+  OwnTimeScope& operator=(const OwnTimeScope&) = delete;
+
+ private:
+  const bool counted_;  // measuring when the scope opened (it may be switched inside)
 };
 
 // The storage of a column is a Python object (a `Block`, which exports it as a read-only

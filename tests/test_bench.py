@@ -92,10 +92,13 @@ def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
     agenda = recs[1]
     assert agenda["launches"] >= agenda["lower_bound"] > 0 and agenda["train_per_s"] > 0
     assert set(agenda["seconds"]) >= {"build", "schedule", "forward", "backward", "update"}
+    # the build split into the task's per-instance Python and flybatch's op calls
+    assert agenda["build_split"]["flybatch"] > 0 and agenda["build_split"]["user"] > 0
+    assert "build_split" not in recs[0] and "build_split" not in recs[2]
     out = capsys.readouterr().out
     assert "correctness treelstm" in out and "OK" in out
     table = report.markdown(lines)
-    assert "| treelstm |" in table and "agenda" in table
+    assert "| treelstm |" in table and "agenda" in table and "(user " in table
     assert {p.name for p in report.charts(lines, tmp_path)} == {"throughput.png",
                                                                  "breakdown.png"}
 

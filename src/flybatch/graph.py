@@ -278,7 +278,7 @@ class Graph(_core.Store):
         if debug:
             self.origins = {}
             self.origin_hook = self._record_origin
-        self._idle_since = time.perf_counter()
+        self._mark_idle()
         # One token per open `with` block (re-entering nests, in one context or several): each
         # exit restores the graph that was current before its entry, and only the last one
         # closes the graph.
@@ -453,9 +453,7 @@ class Graph(_core.Store):
         self._check_open()
         start, end = self.n_done, self.n_nodes
         if end > start:
-            now = time.perf_counter()
-            self.seconds["build"] += now - self._idle_since
-            self._idle_since = now  # a failed forward must not count this build time again
+            now = self._count_build()
             self._grow_positions(end)
             n_batches, n_launches = len(self.values), len(self.launches)
             counters = (self.gathers, self.gathers_avoided)
@@ -477,12 +475,12 @@ class Graph(_core.Store):
                 del self.launches[n_launches:]
                 self.gathers, self.gathers_avoided = counters
                 self.unschedule(start, n_batches)
-                self._idle_since = time.perf_counter()
+                self._mark_idle()
                 raise
             self.n_done = end
             self.forward_ends.append(end)
             self.forwards += 1
-            self._idle_since = time.perf_counter()
+            self._mark_idle()
         if exprs is None:
             return None
         nodes = [self.node_of(e) for e in exprs]
@@ -511,7 +509,24 @@ class Graph(_core.Store):
         with torch._C.DisableTorchFunction():
             value.backward(retain_graph=retain_graph)
         self.seconds["backward"] += time.perf_counter() - start
+        self._mark_idle()
+
+    # Build time is what passes between the graph's own work (its forwards and backwards): the
+    # user's per-instance Python and flybatch's op calls. While `_core.measure_own_time` is on,
+    # the op calls' part is counted too, as seconds["build_flybatch"].
+    def _mark_idle(self) -> None:
         self._idle_since = time.perf_counter()
+        self._own_since = _core.own_time_ns()
+
+    def _count_build(self) -> float:
+        """Adds the build time since the graph was last busy; returns now."""
+        now, own = time.perf_counter(), _core.own_time_ns()
+        self.seconds["build"] += now - self._idle_since
+        if own != self._own_since:
+            self.seconds["build_flybatch"] = (self.seconds.get("build_flybatch", 0.0)
+                                              + (own - self._own_since) * 1e-9)
+        self._idle_since, self._own_since = now, own  # a failed forward counts it only once
+        return now
 
     def _grow_positions(self, n: int) -> None:
         self.grow_positions(n)  # the store's, before scheduling nodes up to n - 1

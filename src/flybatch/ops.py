@@ -10,6 +10,9 @@ the user-facing function, one C call per node (so are the operators `+ - * / @`,
 shapes ("binary"), products with a shared parameter ("matmul", "affine", "lookup"), lists
 ("list", "concat"), "pick", "pick_nls" and "slice". The few ops without a family (reshape,
 transpose, dropout) are Python functions that call `Graph.add` with their own key.
+The ops written in Python are wrapped by `_core.own_time`, so that their calls count as
+flybatch's part of a build, as the compiled rules do (the bench reports the rest, the user's own
+per-instance Python, as `build_user`).
 
 Signature rules (the paper's heuristic): elementwise ops by op and shapes; dimension-sensitive
 ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter node, so that
@@ -73,6 +76,7 @@ def unary_operand(x: Operand) -> tuple[Graph, int]:
 
 
 # ---- leaves ------------------------------------------------------------------------------
+@_core.own_time
 def input(x: Any, graph: Graph | None = None) -> Expression:  # noqa: A001 - DyNet's name
     """A constant input (tensor, ndarray, list or float); no gradient flows into it."""
     g = graph or current_graph()
@@ -81,17 +85,20 @@ def input(x: Any, graph: Graph | None = None) -> Expression:  # noqa: A001 - DyN
     return Expression(g, g.input_node(torch.tensor(np.asarray(x, dtype=np.float64)), owned=True))
 
 
+@_core.own_time
 def parameter(p: torch.Tensor, graph: Graph | None = None) -> Expression:
     """The graph's single node for tensor `p`; gradients accumulate into `p.grad`."""
     g = graph or current_graph()
     return Expression(g, g.parameter_node(p))
 
 
+@_core.own_time
 def zeros(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
     g = graph or current_graph()
     return Expression(g, g.constant_node("zeros", _as_shape("zeros", shape)))
 
 
+@_core.own_time
 def ones(shape: int | Sequence[int], graph: Graph | None = None) -> Expression:
     g = graph or current_graph()
     return Expression(g, g.constant_node("ones", _as_shape("ones", shape)))
@@ -315,6 +322,7 @@ _attention = _core.Rule(ATTENTION)
 _attention_kv = _core.Rule(ATTENTION_KV)
 
 
+@_core.own_time
 def attention(keys: Sequence[Operand], query: Operand,
               values: Sequence[Operand] | None = None) -> Expression:
     """Dot-product attention: `sum_j softmax_j(k_j . q) v_j` over a list of key vectors (the
@@ -362,6 +370,7 @@ mean_elems = _reduction("mean_elems", lambda x: x.mean(1))
 squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
 
 
+@_core.own_time
 def dot(a: Operand, b: Operand) -> Expression:
     """The dot product of two vectors of equal length, as `torch.dot`."""
     g = graph_of(a, b)
@@ -372,6 +381,7 @@ def dot(a: Operand, b: Operand) -> Expression:
     return matmul(Expression(g, na), Expression(g, nb))
 
 
+@_core.own_time
 def squared_distance(a: Operand, b: Operand) -> Expression:
     return squared_norm(sub(a, b))
 
@@ -385,6 +395,7 @@ _softmax_vector = _softmax("softmax", lambda x: torch.softmax(x, -1))
 _log_softmax_vector = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
 
 
+@_core.own_time
 def log_softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
     """log_softmax(x) of a vector; of a list of scalars (any number: a softmax over source
     positions or candidates), the list `x_j - logsumexp(x)`."""
@@ -394,6 +405,7 @@ def log_softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]
     return _log_softmax_vector(x)
 
 
+@_core.own_time
 def softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
     """softmax(x) of a vector; of a list of scalars, the list `exp(x_j - logsumexp(x))`."""
     if isinstance(x, (list, tuple)):
@@ -421,6 +433,7 @@ pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` alo
 _pick_nls = _core.Rule(PICK_NLS)
 
 
+@_core.own_time
 def pick_neg_log_softmax(x: Operand | Sequence[Operand], label: int) -> Expression:
     """`-log(softmax(x)[label])`, the cross-entropy loss of one instance: one fused kernel for
     a vector; for a list of scalars (a variable number of candidates), `logsumexp(x) - x[label]`."""
@@ -448,6 +461,7 @@ slice_rows = _core.Rule(SLICE, doc="slice_rows(x, start, stop): `x[start:stop]` 
                                    "per-instance dim (a view, no copy).")
 
 
+@_core.own_time
 def reshape(x: Operand, shape: int | Sequence[int]) -> Expression:
     """`x`'s elements in a new shape; one size may be -1, inferred from the others as in torch."""
     g, n = unary_operand(x)
@@ -464,6 +478,7 @@ RESHAPE = Op("reshape", lambda xs, attr, shape: xs[0].reshape(xs[0].shape[0], *s
 TRANSPOSE = Op("transpose", lambda xs, attr, shape: xs[0].transpose(1, 2), cheap=True)
 
 
+@_core.own_time
 def transpose(x: Operand) -> Expression:
     """The transpose of a matrix."""
     g, n = unary_operand(x)
@@ -476,6 +491,7 @@ def transpose(x: Operand) -> Expression:
 DROPOUT = Op("dropout", lambda xs, p, shape: F.dropout(xs[0], p, training=True), random=True)
 
 
+@_core.own_time
 def dropout(x: Operand, p: float, training: bool = True) -> Expression:
     """Zero each element with probability `p` and scale the rest by 1/(1-p), as `F.dropout`.
 

@@ -79,6 +79,17 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
             return "–"
         return f"{r['gflop_per_s']:.1f} ({r['percent_of_peak']:.0f}%)"
 
+    def build_cell(r):
+        secs = r.get("seconds", {})
+        if "build" not in secs:
+            return "–"
+        s = f"{1e3 * secs['build']:.1f}"
+        if "build_split" in r:
+            split = r["build_split"]
+            s += (f" + {1e3 * secs.get('schedule', 0.0):.1f} (user {1e3 * split['user']:.1f}"
+                  f" / flybatch {1e3 * split['flybatch']:.1f})")
+        return s
+
     def memory_cell(r):
         s = f"{r.get('peak_rss_mb') or 0:,.0f}"
         if "peak_rss_growth_mb" in r:
@@ -103,6 +114,11 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            *_distributed(cells),
            "**Launches / lower bound; input copies made / avoided** (flybatch modes):\n",
            table(detail_cell),
+           "**Build per training minibatch** (ms; flybatch modes: the graph's build + its "
+           "scheduling, in brackets a build split into the task's own per-instance Python and "
+           "flybatch's op calls, measured on 3 more minibatches with flybatch's own-time clock "
+           "on; dynet-* modes: DyNet's graph build, the same per-instance Python included):\n",
+           table(build_cell),
            "**Peak memory** (MB: peak RSS of the process during the mode, in brackets its growth "
            "over the RSS at the mode's start; DyNet reserves its --mem pool, 1 GB):\n",
            table(memory_cell),

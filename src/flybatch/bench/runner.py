@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import flybatch.distributed as fbd
-from flybatch import kernels
+from flybatch import _core, kernels
 from flybatch.bench.flops import MinibatchFlops, gemm_peak
 from flybatch.bench.tasks import EXTRA_MODES, MODES, create, task_class
 from flybatch.bench.tasks.base import StepResult
@@ -261,6 +261,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
             stats.append(r.stats)
         bar.update(len(timed), "train")
     train_wall = time.perf_counter() - start
+    split = _build_split(train_step, batches) if stats else None
 
     def eval_step(batch: list) -> tuple[StepResult, int]:
         mine = _shard(batch)
@@ -304,6 +305,8 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
         "eval_per_process": eval_tp.per_process, "eval_total": eval_tp.total,
         **peak_memory_mb(device, baseline),
     }
+    if split:
+        rec["build_split"] = split
     if stats:
         def med_of(attr):
             return statistics.median(getattr(st, attr) for st in stats)
@@ -312,6 +315,23 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
                    gathers=med_of("gathers"), gathers_avoided=med_of("gathers_avoided"),
                    nodes=med_of("nodes"))
     return rec
+
+
+def _build_split(train_step, batches, steps: int = 3) -> dict[str, float]:
+    """A flybatch mode's build time per training minibatch split in two, median seconds over
+    `steps` more minibatches run with flybatch's own-time clock on (`_core.measure_own_time`;
+    off in the timed loop, since it reads the clock twice per op call): ``flybatch``, its op
+    calls (rules, Python ops, fb.nn modules, recording torch calls), and ``user``, the rest:
+    the task's own per-instance Python (and, under torch-native capture, torch's dispatch of
+    each call to the capture mode, which happens before flybatch's code is reached)."""
+    was = _core.measure_own_time(True)
+    try:
+        rows = [train_step(next(batches))[0].seconds for _ in range(steps)]
+    finally:
+        _core.measure_own_time(was)
+    own = [r.get("build_flybatch", 0.0) for r in rows]
+    return {"flybatch": statistics.median(own),
+            "user": statistics.median(r["build"] - o for r, o in zip(rows, own))}
 
 
 # ---- DyNet peers ---------------------------------------------------------------------------------
