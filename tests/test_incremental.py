@@ -171,3 +171,37 @@ def test_forward_given_a_generator_of_new_expressions_returns_their_values():
     with fb.Graph() as g:
         values = g.forward(fb.tanh(fb.input(x)) * k for k in (1.0, 2.0))
         torch.testing.assert_close(torch.stack(values), torch.stack([x.tanh(), 2 * x.tanh()]))
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "two results"])
+def test_forward_stacked_returns_the_values_as_one_tensor_with_their_gradients(order):
+    P = make_params()
+    words = [3, 1, 4, 1, 5, 8]
+
+    def scores(g_words, extra):
+        out = [P["U"] @ fb.tanh(fb.lookup(P["E"], w)) for w in g_words]
+        return out + [fb.tanh(P["U"] @ fb.lookup(P["E"], w)) for w in extra]
+
+    with fb.Graph() as g:
+        exprs = scores(words, [2, 7] if order == "two results" else [])
+        if order == "shuffled":
+            exprs = exprs[::-1][::2] + exprs[::-1][1::2]
+        stacked = g.forward(exprs, stack=True)
+        listed = torch.stack(g.forward(exprs))
+        torch.testing.assert_close(stacked, listed)
+        stacked.pow(2).sum().backward()
+        grad = P["U"].grad.clone()
+    P["U"].grad = None
+    with fb.Graph() as g:
+        exprs = scores(words, [2, 7] if order == "two results" else [])
+        if order == "shuffled":
+            exprs = exprs[::-1][::2] + exprs[::-1][1::2]
+        torch.stack(g.forward(exprs)).pow(2).sum().backward()
+    torch.testing.assert_close(grad, P["U"].grad)
+
+
+def test_forward_stacked_refuses_expressions_of_different_shapes():
+    with fb.Graph() as g:
+        a, b = fb.input(torch.ones(2)), fb.input(torch.ones(3))
+        with pytest.raises(fb.ShapeError, match=r"one shape, got \(2,\), \(3,\)"):
+            g.forward([a, b], stack=True)

@@ -442,8 +442,14 @@ class Graph(_core.Store):
         return x.id
 
     # ---- evaluation ----------------------------------------------------------------------
-    def forward(self, exprs: Iterable[Expression] | None = None) -> list[torch.Tensor] | None:
-        """Run every pending node as batched kernels; return the values of `exprs` if given.
+    @_core.own_time  # reading the values back after the forward is flybatch's part of a build
+    def forward(self, exprs: Iterable[Expression] | None = None,
+                stack: bool = False) -> list[torch.Tensor] | torch.Tensor | None:
+        """Run every pending node as batched kernels; return the values of `exprs` if given:
+        a list, or with `stack=True` ONE tensor `[len(exprs), *shape]` (the expressions must
+        share a shape), read from the batch results in one call rather than one per
+        expression (a parser reading 64 scores per step: ~7 us instead of ~130 for
+        `torch.stack` of the list).
 
         The graph may keep growing afterwards: the next forward runs only the new nodes and
         reads the earlier results where it needs them (incremental forward).
@@ -484,11 +490,36 @@ class Graph(_core.Store):
         if exprs is None:
             return None
         nodes = [self.node_of(e) for e in exprs]
+        if stack:
+            return self._stacked(nodes)
         if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
         with _no_capture():  # once for all rows (the parser asks for 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
+
+    def _stacked(self, nodes: list[int]) -> torch.Tensor:
+        """The values of `nodes` as one `[len(nodes), *shape]` tensor: a view of their batch
+        result when they are its consecutive rows, one index_select when they are any rows of
+        one result, else a stack of the rows."""
+        shapes = {self.shape_of(node) for node in nodes}
+        if len(shapes) != 1:
+            raise ShapeError("forward(stack=True) needs expressions of one shape, got "
+                             + (", ".join(map(str, sorted(shapes))) if shapes else "none"))
+        if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
+            rows = [self.value_of(node) for node in nodes]
+            with _no_capture():
+                return torch.stack(rows)
+        positions = [self.position(node) for node in nodes]
+        batch = positions[0][0]
+        with _no_capture():
+            if any(b != batch for b, _ in positions):
+                return torch.stack([self.values[b][r] for b, r in positions])
+            source, first = self.values[batch], positions[0][1]
+            rows = [r for _, r in positions]
+            if rows == list(range(first, first + len(rows))):
+                return source.narrow(0, first, len(rows))
+            return source.index_select(0, torch.tensor(rows, device=source.device))
 
     def value_of(self, node: int) -> torch.Tensor:
         self._check_open()

@@ -185,9 +185,9 @@ class ParserTask(Task):
             scores = [self._scores_flybatch(vectors, config) for _, config, vectors in active]
             # ONE value request for every unfinished parser: one batched forward of all the
             # new nodes (this step's MLPs, the previous step's losses; the BiLSTMs the first
-            # time). Stacking first makes the read-back one `.tolist()` instead of 64. (Not
-            # under no_grad: the forward must record autograd for the backward.)
-            values = torch.stack(graph.forward(scores)).detach().tolist()
+            # time). Read back stacked: one `.tolist()` instead of 64. (Not under no_grad: the
+            # forward must record autograd for the backward.)
+            values = graph.forward(scores, stack=True).detach().tolist()
             for (inst, config, _), s, row in zip(active, scores, values):
                 transition(config, inst.heads, s, row, train, fb.relu, losses)
             active = [p for p in active if not p[1].done()]

@@ -106,8 +106,8 @@ class TaggerTask(Task):
     def forward_flybatch(self, batch, train):
         if not train:
             logits = [self._logits_fb(inst) for inst in batch]
-            flat = fb.current_graph().forward([r for rs in logits for r in rs])
-            tags = torch.stack(flat).argmax(1).tolist()
+            flat = fb.current_graph().forward([r for rs in logits for r in rs], stack=True)
+            tags = flat.argmax(1).tolist()
             out, k = [], 0
             for rs in logits:
                 out.append(tags[k:k + len(rs)])

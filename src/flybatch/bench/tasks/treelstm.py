@@ -177,8 +177,9 @@ class TreeLSTM(Task):
         """`tree_of(tree, losses)` over the batch: the summed node losses (train), or each
         tree's predicted label from `logits_of(h of its root)`, read in one forward."""
         if not train:
-            values = fb.current_graph().forward([logits_of(tree_of(t, None)) for t in batch])
-            return torch.stack(values).argmax(1).tolist()
+            logits = fb.current_graph().forward([logits_of(tree_of(t, None)) for t in batch],
+                                                stack=True)
+            return logits.argmax(1).tolist()
         losses = []
         for t in batch:
             tree_of(t, losses)
