@@ -422,7 +422,9 @@ def _pick_kernel(xs, attr, shape):
 def _pnls_kernel(xs, attr, shape):
     _, label = attr
     x = xs[0].expand(len(label), *xs[0].shape[1:])
-    return -torch.log_softmax(x, -1).gather(1, _index(label, x).unsqueeze(1)).squeeze(1)
+    # One call for log_softmax and the pick: the same values and gradients, bit for bit, as
+    # `-log_softmax(x).gather(label)`, with 1 autograd node instead of 4 (per-forward cost).
+    return F.cross_entropy(x, _index(label, x), reduction="none")
 
 
 # Signature (name, shape of x); attr the index, checked and made non-negative at the call.
