@@ -108,6 +108,7 @@ class State:
         return cls(ops.concat([h, c]), h.shape[0])
 
     @property
+    @_core.own_time
     def h(self) -> Expression:
         """The output (hidden state)."""
         if self._h is None:
@@ -115,6 +116,7 @@ class State:
         return self._h
 
     @property
+    @_core.own_time
     def c(self) -> Expression:
         """The memory cell."""
         if self._c is None:
@@ -322,6 +324,7 @@ class LSTM(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     @staticmethod
+    @_core.own_time
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
         """The `h` of each step of `cell` over `xs` from a zero state: the nodes of calling the
         cell step by step, made by one call of the compiled core."""
@@ -490,6 +493,7 @@ class TreeLSTMCell(FusedModule):
             self.U_f = nn.Parameter(torch.empty(arity, H, H))
         _uniform(self, H)
 
+    @_core.own_time
     def leaf(self, x: Operand) -> State:
         if self.child_sum:
             return self.forward([], x)
