@@ -34,6 +34,7 @@ enum class Family {
   matmul,     // vectors and matrices; batched by a shared parameter's tag
   affine,     // W @ x + b
   list,       // equal shapes, any number (esum, average, emax)
+  stack,      // equal shapes, any number, stacked as the rows of one tensor
   concat,     // along a dim
   pick,       // an element or row, by index
   pick_nls,   // -log_softmax(x)[label]
@@ -53,6 +54,7 @@ struct Rule {
   PyObject* doc;
   const char* cname;
   bool ragged;        // list: the key leaves out the number of inputs
+  bool padded;        // the key leaves out the leading dim of the first input (its length)
 };
 
 namespace {
@@ -117,6 +119,34 @@ Dims dims_of(const Store* g, i64 node) {
 
 PyObject* shape_tuple(const Store* g, i64 node) {
   return (*g->shape_tuples)[g->nodes->shape[node]];
+}
+
+// The key of a shape whose leading dim is left out (any length, padded in the batch): a mark,
+// then the shape of the rest (the mark keeps it apart from the key of a whole shape).
+void push_any_length(Store* g, Key& key, const Dims& dims) {
+  key.push(-2);
+  key.push(intern_shape(g, dims.d + 1, dims.n - 1));
+}
+
+// Its readable form: ("n", rest...), printed (n, 64) by signatures.describe.
+PyObject* any_length_tuple(const Dims& dims) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(dims.n));
+  if (!t) throw PythonError{};
+  PyObject* n = PyUnicode_FromString("n");
+  if (!n) {
+    Py_DECREF(t);
+    throw PythonError{};
+  }
+  PyTuple_SET_ITEM(t, 0, n);
+  for (std::size_t i = 1; i < dims.n; ++i) {
+    PyObject* d = PyLong_FromLongLong(dims[i]);
+    if (!d) {
+      Py_DECREF(t);
+      throw PythonError{};
+    }
+    PyTuple_SET_ITEM(t, i, d);
+  }
+  return t;
 }
 
 // ---- operands ----------------------------------------------------------------------------------
@@ -305,6 +335,10 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       [[fallthrough]];
     case Family::unary:
       out_shape = g->nodes->shape[args[0]];
+      if (rule->padded && a.n > 0) {
+        push_any_length(g, key, a);
+        return finish([&] { return named({any_length_tuple(a)}); });
+      }
       key.push(out_shape);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     case Family::reduce:
@@ -346,6 +380,18 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
         throw PythonError{};
       attr = vecs[which];
       key.push(tag_number(g, args[0]));
+      // Padded: the rows of a matrix a (W_i @ q with W_i of n_i rows), or the length of a
+      // vector a contracted with b (weights_i @ H_i), unless a parameter fixes it.
+      if (rule->padded && tag_number(g, args[0]) < 0 &&
+          (a.n == 2 || (a.n == 1 && tag_number(g, args[1]) < 0))) {
+        push_any_length(g, key, a);
+        if (a.n == 1) push_any_length(g, key, b);
+        else key.push(g->nodes->shape[args[1]]);
+        return finish([&] {
+          return named({Py_NewRef(Py_None), any_length_tuple(a),
+                        a.n == 1 ? any_length_tuple(b) : Py_NewRef(shape_tuple(g, args[1]))});
+        });
+      }
       key.push(g->nodes->shape[args[0]]);
       key.push(g->nodes->shape[args[1]]);
       return finish([&] {
@@ -368,7 +414,8 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
                       Py_NewRef(shape_tuple(g, args[1]))});
       });
     }
-    case Family::list: {
+    case Family::list:
+    case Family::stack: {
       const std::int32_t shape = g->nodes->shape[args[0]];
       for (std::size_t i = 1; i < n; ++i)
         if (g->nodes->shape[args[i]] != shape) {
@@ -385,8 +432,13 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
           Py_DECREF(sorted);
           throw PythonError{};
         }
-      out_shape = shape;
       key.push(shape);
+      if (rule->family == Family::stack) {  // (n, *shape), whatever n
+        out_dims.assign(1, static_cast<i64>(n));
+        out_dims.insert(out_dims.end(), a.d, a.d + a.n);
+        return finish([&] { return named({any_length_tuple({out_dims.data(), out_dims.size()})}); });
+      }
+      out_shape = shape;
       if (!rule->ragged) key.push(static_cast<i64>(n));
       return finish([&] {
         PyObject* s = Py_NewRef(shape_tuple(g, args[0]));
@@ -438,6 +490,10 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       if (i < 0) i += a[0];
       if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
       index = i;
+      if (rule->padded) {
+        push_any_length(g, key, a);
+        return finish([&] { return named({any_length_tuple(a)}); });
+      }
       key.push(g->nodes->shape[args[0]]);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     }
@@ -595,7 +651,8 @@ PyObject* call_rule(Rule* rule, PyObject* const* argv, std::size_t argc, PyObjec
     PyObject* const* operands = argv;
     std::size_t n = arity(rule->family);
     PyObject* seq = nullptr;
-    if (rule->family == Family::list || rule->family == Family::concat) {
+    if (rule->family == Family::list || rule->family == Family::stack ||
+        rule->family == Family::concat) {
       seq = PySequence_Fast(argv[0], "expected a list of expressions");
       if (!seq) throw PythonError{};
       operands = PySequence_Fast_ITEMS(seq);
@@ -671,7 +728,8 @@ bool family_of(const char* name, Family* out) {
   static const std::pair<const char*, Family> families[] = {
       {"unary", Family::unary},   {"vector", Family::vector}, {"reduce", Family::reduce},
       {"binary", Family::binary}, {"matmul", Family::matmul}, {"affine", Family::affine},
-      {"list", Family::list},     {"concat", Family::concat}, {"pick", Family::pick},
+      {"list", Family::list},     {"stack", Family::stack},   {"concat", Family::concat},
+      {"pick", Family::pick},
       {"pick_nls", Family::pick_nls}, {"slice", Family::slice}, {"lookup", Family::lookup}};
   for (const auto& [n, f] : families)
     if (std::strcmp(n, name) == 0) return *out = f, true;
@@ -687,14 +745,16 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* family_name = PyObject_GetAttrString(op, "rule");
   PyObject* name = family_name ? PyObject_GetAttrString(op, "name") : nullptr;
   PyObject* ragged = name ? PyObject_GetAttrString(op, "ragged") : nullptr;
+  PyObject* padded = ragged ? PyObject_GetAttrString(op, "padded") : nullptr;
   Family family;
   const char* fname =
       family_name && PyUnicode_Check(family_name) ? PyUnicode_AsUTF8(family_name) : nullptr;
-  const bool ok = ragged && PyUnicode_Check(name) && fname && family_of(fname, &family);
+  const bool ok = padded && PyUnicode_Check(name) && fname && family_of(fname, &family);
   Py_XDECREF(family_name);
   if (!ok) {
     Py_XDECREF(name);
     Py_XDECREF(ragged);
+    Py_XDECREF(padded);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Rule: op.rule names no rule family");
     return nullptr;
   }
@@ -702,6 +762,7 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!rule) {
     Py_DECREF(name);
     Py_DECREF(ragged);
+    Py_DECREF(padded);
     return nullptr;
   }
   rule->call = rule_vectorcall;
@@ -714,7 +775,9 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   rule->doc = Py_NewRef(doc);
   rule->cname = PyUnicode_AsUTF8(name);
   rule->ragged = PyObject_IsTrue(ragged) == 1;
+  rule->padded = PyObject_IsTrue(padded) == 1;
   Py_DECREF(ragged);
+  Py_DECREF(padded);
   return reinterpret_cast<PyObject*>(rule);
 }
 

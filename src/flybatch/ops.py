@@ -187,7 +187,9 @@ cdiv = div = _binary("div", torch.div)
 
 
 # ---- products ----------------------------------------------------------------------------
-def _matmul_kernel(xs, attr, shape):
+def _matmul_kernel(xs, attr, shape, lengths):
+    # Padded rows of a (or a padded contracted dim) are zeros: the padding of the product is
+    # zeros too, and adds nothing to a contraction. (They are multiplied, and counted as FLOPs.)
     a, b = xs
     a_vec, b_vec = attr
     if a_vec and b_vec:  # dot product of two vectors
@@ -205,8 +207,10 @@ def _matmul_kernel(xs, attr, shape):
 
 
 # Signature ("matmul", tag of a if a parameter, shape of a, shape of b); attr (a is a vector,
-# b is a vector).
-MATMUL = Op("matmul", _matmul_kernel, rule="matmul")
+# b is a vector). Padded unless a parameter fixes the length: the leading dim of an expression
+# matrix a (`M_i @ q`, M_i of n_i rows) and the length of a vector a times an expression b
+# (`weights_i @ M_i`) are left out of the signature.
+MATMUL = Op("matmul", _matmul_kernel, padded=True, rule="matmul")
 matmul = _core.Rule(MATMUL, doc="matmul(a, b): `a @ b` for vectors and matrices (per instance), "
                                 "as `torch.matmul`.")
 
@@ -334,6 +338,14 @@ def attention(keys: Sequence[Operand], query: Operand,
     return _attention_kv([Expression(g, q), *(x for pair in zip(keys, values) for x in pair)])
 
 
+# Signature ("stack", (n, *item shape)): any number of items, stored padded with zeros.
+STACK = Op("stack", lambda xs, lengths, shape: _per_node(xs[0], lengths, 0.0), ragged=True,
+           cheap=True, rule="stack")
+stack = _core.Rule(STACK, doc="""stack(xs): the expressions of `xs` (of equal shape) as the rows of
+one tensor of shape (len(xs), *shape), as `torch.stack`: a matrix of vectors, the keys of an
+attention. Stacks of any number of rows batch as one kernel.""")
+
+
 def _concat_kernel(xs, dim, shape):
     if len(xs) == 1 and xs[0].dim() == len(shape) + 2:  # stacked [B, k, n, ...] along dim 0
         x = xs[0]
@@ -376,13 +388,25 @@ def squared_distance(a: Operand, b: Operand) -> Expression:
     return squared_norm(sub(a, b))
 
 
-def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0]), rule="vector")
-    return _core.Rule(op)
+def _padding(lengths: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """`[B, longest]`: True where a node's vector (the rows of `x`) is padding."""
+    return torch.from_numpy(np.arange(x.shape[1]) >= lengths[:, None]).to(x.device)
 
 
-_softmax_vector = _softmax("softmax", lambda x: torch.softmax(x, -1))
-_log_softmax_vector = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
+def _softmax(name: str, fn: Callable[[torch.Tensor, int], torch.Tensor]):
+    def kernel(xs, attr, shape, lengths):
+        if lengths is None:
+            return fn(xs[0], -1)
+        # -inf: the padding gets no weight; then zeros in the result's padding.
+        padding = _padding(lengths, xs[0])
+        return fn(xs[0].masked_fill(padding, -math.inf), -1).masked_fill(padding, 0.0)
+
+    return _core.Rule(Op(name, kernel, padded=True, rule="vector"))
+
+
+# Padded: vectors of any length in one batch. Signature (name, (n,)).
+_softmax_vector = _softmax("softmax", torch.softmax)
+_log_softmax_vector = _softmax("log_softmax", torch.log_softmax)
 
 
 def log_softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
@@ -407,15 +431,19 @@ def _pick_kernel(xs, attr, shape):
     return x.expand(len(index), *x.shape[1:])[rows, _index(index, x)]
 
 
-def _pnls_kernel(xs, attr, shape):
+def _pnls_kernel(xs, attr, shape, lengths):
     _, label = attr
     x = xs[0].expand(len(label), *xs[0].shape[1:])
+    if lengths is not None:
+        x = x.masked_fill(_padding(lengths, x), -math.inf)
     return -torch.log_softmax(x, -1).gather(1, _index(label, x).unsqueeze(1)).squeeze(1)
 
 
 # Signature (name, shape of x); attr the index, checked and made non-negative at the call.
+# pick_neg_log_softmax is padded: (name, (n,)) for vectors of any length.
 PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, rule="pick")
-PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, rule="pick_nls")
+PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, padded=True,
+              rule="pick_nls")
 pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "
                             "per-instance dim.")
 _pick_nls = _core.Rule(PICK_NLS)
