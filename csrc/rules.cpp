@@ -121,25 +121,22 @@ PyObject* shape_tuple(const Store* g, i64 node) {
   return (*g->shape_tuples)[g->nodes->shape[node]];
 }
 
-// The key of a shape whose leading dim is left out (any length, padded in the batch): a mark,
-// then the shape of the rest (the mark keeps it apart from the key of a whole shape).
-void push_any_length(Store* g, Key& key, const Dims& dims) {
+// The key of `node`'s shape with its leading dim left out (any length, padded in a batch): a
+// mark, then the shape of the rest (the mark keeps it apart from the key of a whole shape).
+void push_any_length(Store* g, Key& key, i64 node) {
+  const Dims dims = dims_of(g, node);
+  const std::vector<i64> rest(dims.d + 1, dims.d + dims.n);  // interning may move the table
   key.push(-2);
-  key.push(intern_shape(g, dims.d + 1, dims.n - 1));
+  key.push(intern_shape(g, rest.data(), rest.size()));
 }
 
-// Its readable form: ("n", rest...), printed (n, 64) by signatures.describe.
-PyObject* any_length_tuple(const Dims& dims) {
-  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(dims.n));
+// The readable form of a shape (n, *rest) of any length n: ("n", *rest), which
+// signatures.describe prints as (n, 64).
+PyObject* any_length_tuple(const i64* rest, std::size_t n) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(n + 1));
   if (!t) throw PythonError{};
-  PyObject* n = PyUnicode_FromString("n");
-  if (!n) {
-    Py_DECREF(t);
-    throw PythonError{};
-  }
-  PyTuple_SET_ITEM(t, 0, n);
-  for (std::size_t i = 1; i < dims.n; ++i) {
-    PyObject* d = PyLong_FromLongLong(dims[i]);
+  for (std::size_t i = 0; i <= n; ++i) {
+    PyObject* d = i ? PyLong_FromLongLong(rest[i - 1]) : PyUnicode_FromString("n");
     if (!d) {
       Py_DECREF(t);
       throw PythonError{};
@@ -147,6 +144,12 @@ PyObject* any_length_tuple(const Dims& dims) {
     PyTuple_SET_ITEM(t, i, d);
   }
   return t;
+}
+
+// That of `node`'s shape with its leading dim left out.
+PyObject* any_length_tuple(const Store* g, i64 node) {
+  const Dims dims = dims_of(g, node);
+  return any_length_tuple(dims.d + 1, dims.n - 1);
 }
 
 // ---- operands ----------------------------------------------------------------------------------
@@ -336,8 +339,8 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
     case Family::unary:
       out_shape = g->nodes->shape[args[0]];
       if (rule->padded && a.n > 0) {
-        push_any_length(g, key, a);
-        return finish([&] { return named({any_length_tuple(a)}); });
+        push_any_length(g, key, args[0]);
+        return finish([&] { return named({any_length_tuple(g, args[0])}); });
       }
       key.push(out_shape);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
@@ -384,12 +387,14 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       // vector a contracted with b (weights_i @ H_i), unless a parameter fixes it.
       if (rule->padded && tag_number(g, args[0]) < 0 &&
           (a.n == 2 || (a.n == 1 && tag_number(g, args[1]) < 0))) {
-        push_any_length(g, key, a);
-        if (a.n == 1) push_any_length(g, key, b);
+        const bool vector = a.n == 1;  // (a's dims may move when the key is interned)
+        push_any_length(g, key, args[0]);
+        if (vector) push_any_length(g, key, args[1]);
         else key.push(g->nodes->shape[args[1]]);
         return finish([&] {
-          return named({Py_NewRef(Py_None), any_length_tuple(a),
-                        a.n == 1 ? any_length_tuple(b) : Py_NewRef(shape_tuple(g, args[1]))});
+          return named({Py_NewRef(Py_None), any_length_tuple(g, args[0]),
+                        vector ? any_length_tuple(g, args[1])
+                               : Py_NewRef(shape_tuple(g, args[1]))});
         });
       }
       key.push(g->nodes->shape[args[0]]);
@@ -436,7 +441,10 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       if (rule->family == Family::stack) {  // (n, *shape), whatever n
         out_dims.assign(1, static_cast<i64>(n));
         out_dims.insert(out_dims.end(), a.d, a.d + a.n);
-        return finish([&] { return named({any_length_tuple({out_dims.data(), out_dims.size()})}); });
+        return finish([&] {
+          const Dims item = dims_of(g, args[0]);
+          return named({any_length_tuple(item.d, item.n)});
+        });
       }
       out_shape = shape;
       if (!rule->ragged) key.push(static_cast<i64>(n));
@@ -491,8 +499,8 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
       index = i;
       if (rule->padded) {
-        push_any_length(g, key, a);
-        return finish([&] { return named({any_length_tuple(a)}); });
+        push_any_length(g, key, args[0]);
+        return finish([&] { return named({any_length_tuple(g, args[0])}); });
       }
       key.push(g->nodes->shape[args[0]]);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
