@@ -124,9 +124,33 @@ def test_a_ragged_batch_reads_every_argument_flat_and_each_nodes_arity():
         hs = [fb.tanh(x) for x in _inputs(3)]
         sums = [fb.esum(hs[:2]), fb.esum(hs[2:])]
         planned = Planned(g)
-        read_ids, stacked, arities, *_ = planned.batch_reads[planned.batch_of(sums[0])]  # forward 0
+        read_ids, stacked, arities, *_ = planned.batch_reads[planned.batch_of(sums[0])]
         assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 3)]
         assert stacked == 0 and planned.indices[arities:arities + 2] == [2, 1]
+
+
+def test_a_padded_batch_reads_each_argument_at_its_longest_and_each_nodes_length():
+    """`K_i @ q` over instance matrices of 3 and 1 rows: K is read 3 rows wide (the stack of 1
+    row is padded), q as it is, and the kernel gets the lengths 3 and 1."""
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(4)
+        keys = [fb.stack(xs[:3]), fb.stack(xs[3:])]
+        scores = [k @ xs[0] for k in keys]
+        planned = Planned(g)
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(scores[0])]
+        assert planned.indices[widths:widths + 2] == [3, 2] and uneven
+        assert planned.indices[lengths:lengths + 2] == [3, 1]
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(keys[0])]
+        assert planned.indices[widths] == 2 and lengths is None and uneven  # items (2,): as read
+
+
+def test_a_padded_batch_of_equal_lengths_gets_no_lengths():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(4)
+        weights = [fb.softmax(fb.stack(xs[:2])[0]), fb.softmax(fb.stack(xs[2:])[1])]
+        planned = Planned(g)
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(weights[0])]
+        assert planned.indices[widths] == 2 and lengths is None and not uneven
 
 
 def test_a_ragged_op_reads_its_fixed_arguments_one_each_then_its_lists_flat():

@@ -30,6 +30,6 @@ __all__ = [
     "esum", "exp", "input", "log", "log_softmax", "logistic", "logsumexp", "lookup", "matmul",
     "mean_elems", "mul", "neg", "new_graph", "nn", "ones", "parameter", "pick",
     "pick_neg_log_softmax", "rectify", "relu", "reshape", "sigmoid", "slice_rows", "softmax",
-    "sqrt", "square", "squared_distance", "squared_norm", "stack", "sub", "sum_elems", "tanh", "transpose",
-    "zeros", "MapBatchedError", "map_batched",
+    "sqrt", "square", "squared_distance", "squared_norm", "stack", "sub", "sum_elems", "tanh",
+    "transpose", "zeros", "MapBatchedError", "map_batched",
 ]

@@ -8,24 +8,34 @@ the user-facing function, one C call per node (so are the operators `+ - * / @`,
 `x[i]`, `x[a:b]`). The families: unary elementwise ("unary"; "vector" for ops of vectors,
 "reduce" for reductions to a scalar), binary elementwise with NumPy broadcasting of per-instance
 shapes ("binary"), products with a shared parameter ("matmul", "affine", "lookup"), lists
-("list", "concat"), "pick", "pick_nls" and "slice". The few ops without a family (reshape,
-transpose, dropout) are Python functions that call `Graph.add` with their own key.
+("list", "stack", "concat"), "pick", "pick_nls" and "slice". The few ops without a family
+(reshape, transpose, dropout) are Python functions that call `Graph.add` with their own key.
 
 Signature rules (the paper's heuristic): elementwise ops by op and shapes; dimension-sensitive
 ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter node, so that
 every `W @ h_i` of a batch becomes ONE `H @ W.T`.
 
 Ragged ops batch nodes that differ only in the length of a list: `esum`, `average`, `emax`,
-`logsumexp`, `attention` and the fused child-sum Tree-LSTM cell (fb.nn) over any number of
-children. Their signature leaves the length out; the executor gathers every item of every node
+`logsumexp`, `attention`, `stack` and the fused child-sum Tree-LSTM cell (fb.nn) over any number
+of children. Their signature leaves the length out; the executor gathers every item of every node
 of a batch as ONE flat argument and gives the kernel each node's length, and the kernel reduces
 each node's segment (a segment sum, or a padded `[B, longest, ...]` view with a fill that the
-reduction ignores). A length lives in a list, never in a shape, so each node's output shape is
-fixed and a batch stays one `[B, *shape]` tensor: no padded storage or per-node lengths outside
-the kernel. Attention over a variable number of source positions is therefore written over
-lists: `attention(keys, query)` is one node giving the context; scores as a list of scalars go
-through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list. A
-vector whose length varies (`M_i @ q` with `M_i` of shape (n_i, d)) makes a signature per length.
+reduction ignores).
+
+Padded ops batch nodes whose first argument differs only in its leading dim, a length:
+`softmax`, `log_softmax` and `pick_neg_log_softmax` of vectors, and `matmul` of an instance
+matrix of n_i rows with a vector (`M_i @ q`) or of a vector with it (`weights_i @ M_i`), unless
+a parameter fixes the length. Their signature writes the length as n (`softmax(n,)`,
+`matmul(n, 64)(64,)`). The executor pads each argument to the longest of its batch with zeros
+and gives the kernel each node's length; the kernel masks what the padding would change (-inf
+before a softmax). A result whose length varies (these, `stack`) is stored padded as ONE
+`[B, longest, ...]` tensor with zeros in the padding, each node keeping its own shape: a read
+narrows the rows to the reader's width (an op that batches equal shapes only, such as `tanh`,
+`pick`, `slice_rows` or `sum_elems`, reads exactly its shape), and `value()` is the node's own.
+Attention over a variable number of source positions is thus one launch per op and step,
+written over a matrix (`softmax(K @ q) @ K` with `K = stack(keys)`) or over lists:
+`attention(keys, query)` is one node giving the context, and scores as a list of scalars go
+through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list.
 """
 
 from __future__ import annotations
