@@ -62,7 +62,9 @@ def run(graph: "Graph", plan: Schedule) -> None:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
             size = len(nodes)
-            if op.padded or graph.padded:  # some rows to narrow or pad to the width read
+            # Rows to narrow or pad to the width read: from a result stored padded, or for a
+            # padded op's nodes of different lengths.
+            if graph.padded or lengths is not None:
                 widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
                 xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch, width)
                       for r, width in zip(arg_reads, widths)]
