@@ -496,9 +496,9 @@ class Graph(_core.Store):
         if exprs is None:
             return None
         nodes = [self.node_of(e) for e in exprs]
-        if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
-            return [self.value_of(node) for node in nodes]
-        if self.padded:
+        # One at a time: a node made by a generator given as `exprs`, or a row of a result
+        # stored padded (narrowed to the node's shape).
+        if self.padded or any(node >= self.n_done for node in nodes):
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
         with _no_capture():  # once for all rows (the parser asks for 64 per step)
