@@ -737,8 +737,8 @@ bool family_of(const char* name, Family* out) {
       {"unary", Family::unary},   {"vector", Family::vector}, {"reduce", Family::reduce},
       {"binary", Family::binary}, {"matmul", Family::matmul}, {"affine", Family::affine},
       {"list", Family::list},     {"stack", Family::stack},   {"concat", Family::concat},
-      {"pick", Family::pick},
-      {"pick_nls", Family::pick_nls}, {"slice", Family::slice}, {"lookup", Family::lookup}};
+      {"pick", Family::pick},     {"pick_nls", Family::pick_nls}, {"slice", Family::slice},
+      {"lookup", Family::lookup}};
   for (const auto& [n, f] : families)
     if (std::strcmp(n, name) == 0) return *out = f, true;
   return false;
