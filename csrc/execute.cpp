@@ -147,7 +147,7 @@ void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
 ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
   ReadPlan plan;
   Planner planner(f, plan);
-  std::vector<i64> column;
+  std::vector<i64> column, widths;
   for (i64 b = 0; b < f.batches; ++b) {
     const i64* nodes = f.order + (b ? f.ends[b - 1] : 0);
     const std::size_t size = static_cast<std::size_t>(f.ends[b] - (b ? f.ends[b - 1] : 0));
@@ -156,12 +156,21 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
     const ArgumentLayout layout = layout_of(nodes[0]);
     const i64 arity = f.arg_ptr[nodes[0] + 1] - f.arg_ptr[nodes[0]];
     auto args_of = [&](std::size_t row) { return f.arg_flat + f.arg_ptr[nodes[row]]; };
+    auto leading = [&](i64 node) { return f.leading[f.shape[node]]; };
+    widths.clear();
+    // The read of `column`, and its width.
+    auto read_column = [&] {
+      plan.args.push_back(planner.read(column.data(), column.size(), /*broadcast=*/true));
+      i64 width = -1;
+      for (i64 v : column) width = std::max(width, leading(v));
+      widths.push_back(width);
+    };
     // One read per argument position j < positions.
     auto read_positions = [&](i64 positions) {
       column.resize(size);
       for (i64 j = 0; j < positions; ++j) {
         for (std::size_t row = 0; row < size; ++row) column[row] = args_of(row)[j];
-        plan.args.push_back(planner.read(column.data(), size, /*broadcast=*/true));
+        read_column();
       }
     };
     if (layout.leaf) {
@@ -179,19 +188,31 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
         column.insert(column.end(), list, list + items);
         plan.indices.push_back(items);
       }
-      if (!column.empty())
-        plan.args.push_back(planner.read(column.data(), column.size(), /*broadcast=*/true));
+      if (!column.empty()) read_column();
     } else if (layout.stack_from && arity >= layout.stack_from) {
       // ONE read of every argument of every node, node after node.
       column.clear();
       for (std::size_t row = 0; row < size; ++row)
         column.insert(column.end(), args_of(row), args_of(row) + arity);
       batch.stacked = arity;
-      plan.args.push_back(planner.read(column.data(), column.size(), /*broadcast=*/true));
+      read_column();
     } else {
       read_positions(arity);
     }
     batch.end = static_cast<i64>(plan.args.size());
+    batch.widths = static_cast<i64>(plan.indices.size());
+    plan.indices.insert(plan.indices.end(), widths.begin(), widths.end());
+    for (std::size_t row = 1; row < size && !batch.uneven; ++row)
+      batch.uneven = f.shape[nodes[row]] != f.shape[nodes[0]];
+    if (layout.padded && arity > 0) {  // the lengths of the first arguments, if they differ
+      auto length = [&](std::size_t row) { return leading(args_of(row)[0]); };
+      bool mixed = false;
+      for (std::size_t row = 1; row < size && !mixed; ++row) mixed = length(row) != length(0);
+      if (mixed) {
+        batch.lengths = static_cast<i64>(plan.indices.size());
+        for (std::size_t row = 0; row < size; ++row) plan.indices.push_back(length(row));
+      }
+    }
     plan.batches.push_back(batch);
   }
   // Results read in pieces by two or more reads, fanned out once each.

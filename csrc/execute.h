@@ -18,6 +18,9 @@ struct ArgumentLayout {
   bool ragged = false;  // lists of any length in one batch: ONE read of every item, flat,
   i64 fixed = 0;        // after its first `fixed` arguments (ragged only), read one by one
   i64 stack_from = 0;   // variadic: from this arity on, ONE read of all arguments (0: never)
+  // Arguments whose leading dim (a length) may differ from node to node in one batch: they
+  // are read padded to the column's longest, and the kernel gets each node's length.
+  bool padded = false;
 };
 using LayoutOf = std::function<ArgumentLayout(i64 node)>;  // node: a global id
 
@@ -32,6 +35,8 @@ struct ScheduledForward {
   const std::int32_t* node_batch = nullptr;  // where each node's value lives: this forward's
   const std::int32_t* node_row = nullptr;    // nodes and every node they read
   const std::int32_t* batch_size = nullptr;  // rows of every batch, this forward's included
+  const std::int32_t* shape = nullptr;       // shape id of each node
+  const i64* leading = nullptr;              // per shape id: its first dim, -1 for a scalar
 };
 
 // A read gathers one argument position of a batch (a node id per row) into ONE tensor:
@@ -56,11 +61,19 @@ struct Read {
 
 // A batch's arguments: read ids args[begin .. end). `stacked`: the arity k of a variadic op
 // read as one [B * k] read (0 otherwise). `arities`: for a ragged op, where the length of each
-// node's list starts in `indices` (one per node), else -1.
+// node's list starts in `indices` (one per node), else -1. `widths`: where the width of each
+// read starts in `indices` (one per read): the leading dim its rows must have, the longest of
+// its nodes (a result of a padded op is stored padded to ITS longest), -1 for scalars.
+// `lengths`: for a padded op whose nodes' first arguments differ in length, where those
+// lengths start in `indices` (one per node), else -1. `uneven`: its nodes' shapes differ, so
+// its result is stored padded.
 struct BatchReads {
   i64 begin = 0, end = 0;
   i64 stacked = 0;
   i64 arities = -1;
+  i64 widths = -1;
+  i64 lengths = -1;
+  bool uneven = false;
 };
 
 // A result read in pieces (not whole) by two or more reads. Every partial read of a tensor

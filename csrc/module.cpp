@@ -170,6 +170,7 @@ const std::vector<OpTraits>& op_traits() {
     traits.layout.ragged = op_flag(op, "ragged");
     traits.layout.fixed = op_int(op, "fixed");  // ops.RaggedOp's; plain ops have none
     traits.layout.stack_from = op_int(op, "stack_from");
+    traits.layout.padded = op_flag(op, "padded");
     known.push_back(traits);
   }
   return known;
@@ -498,8 +499,11 @@ PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
     Owned args(int_tuple(plan.args.data() + batch.begin,
                          static_cast<std::size_t>(batch.end - batch.begin)));
     Owned arities(batch.arities < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(batch.arities));
+    Owned lengths(batch.lengths < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(batch.lengths));
     PyList_SET_ITEM(batches.get(), b,
-                    checked(Py_BuildValue("(OLO)", args.get(), batch.stacked, arities.get())));
+                    checked(Py_BuildValue("(OLOLOO)", args.get(), batch.stacked, arities.get(),
+                                          batch.widths, lengths.get(),
+                                          batch.uneven ? Py_True : Py_False)));
   }
   Owned fan_outs(PyDict_New());
   for (const flybatch::FanOut& fan : plan.fan_outs) {
@@ -526,10 +530,12 @@ const char kPlanReadsDoc[] =
     "  reads: per read, ('view', source, start, length) | ('rows', source, at, length) |\n"
     "         ('multi', part read ids, inverse at or None, rows);\n"
     "  batch_reads: per batch, (read ids of its arguments, stacked arity or 0, arities at or\n"
-    "         None for a ragged op);\n"
+    "         None for a ragged op, widths at, lengths at or None: a padded op's nodes whose\n"
+    "         first arguments differ in length, whether its nodes' shapes differ);\n"
     "  fan_outs: source -> (read ids, gather at or None, sizes, piece of each read): the\n"
     "         result (or one gather of the rows listed from `gather` on) split into `sizes`;\n"
-    "  indices: the int64 row numbers, permutations and arities that an `at` points into.";
+    "  indices: the int64 row numbers, permutations, arities, widths and lengths that an `at`\n"
+    "         points into.";
 
 PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"graph", "first_batch", "order", "ends", nullptr};
@@ -571,6 +577,13 @@ PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
     forward.node_batch = c.batch.data();
     forward.node_row = c.row.data();
     forward.batch_size = c.batch_size.data();
+    forward.shape = c.shape.data();
+    std::vector<i64> leading(store->shape_keys->size());  // of each shape the graph has met
+    for (std::size_t id = 0; id < leading.size(); ++id) {
+      const std::int32_t shape = static_cast<std::int32_t>(id);
+      leading[id] = store->shape_keys->length(shape) ? store->shape_keys->key(shape)[0] : -1;
+    }
+    forward.leading = leading.data();
     const flybatch::ReadPlan plan = flybatch::plan_reads(
         forward, [&, &traits = op_traits()](i64 node) { return traits[c.op[node]].layout; });
     return plan_to_python(plan);

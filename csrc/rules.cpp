@@ -34,6 +34,7 @@ enum class Family {
   matmul,     // vectors and matrices; batched by a shared parameter's tag
   affine,     // W @ x + b
   list,       // equal shapes, any number (esum, average, emax)
+  stack,      // equal shapes, any number, stacked as the rows of one tensor
   concat,     // along a dim
   pick,       // an element or row, by index
   pick_nls,   // -log_softmax(x)[label]
@@ -53,6 +54,7 @@ struct Rule {
   PyObject* doc;
   const char* cname;
   bool ragged;        // list: the key leaves out the number of inputs
+  bool padded;        // the key leaves out the leading dim of the first input (its length)
 };
 
 namespace {
@@ -119,6 +121,37 @@ Dims dims_of(const Store* g, i64 node) {
 
 PyObject* shape_tuple(const Store* g, i64 node) {
   return (*g->shape_tuples)[g->nodes->shape[node]];
+}
+
+// The key of `node`'s shape with its leading dim left out (any length, padded in a batch): a
+// mark, then the shape of the rest (the mark keeps it apart from the key of a whole shape).
+void push_any_length(Store* g, Key& key, i64 node) {
+  const Dims dims = dims_of(g, node);
+  const std::vector<i64> rest(dims.d + 1, dims.d + dims.n);  // interning may move the table
+  key.push(-2);
+  key.push(intern_shape(g, rest.data(), rest.size()));
+}
+
+// The readable form of a shape (n, *rest) of any length n: ("n", *rest), which
+// signatures.describe prints as (n, 64).
+PyObject* any_length_tuple(const i64* rest, std::size_t n) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(n + 1));
+  if (!t) throw PythonError{};
+  for (std::size_t i = 0; i <= n; ++i) {
+    PyObject* d = i ? PyLong_FromLongLong(rest[i - 1]) : PyUnicode_FromString("n");
+    if (!d) {
+      Py_DECREF(t);
+      throw PythonError{};
+    }
+    PyTuple_SET_ITEM(t, i, d);
+  }
+  return t;
+}
+
+// That of `node`'s shape with its leading dim left out.
+PyObject* any_length_tuple(const Store* g, i64 node) {
+  const Dims dims = dims_of(g, node);
+  return any_length_tuple(dims.d + 1, dims.n - 1);
 }
 
 // ---- operands ----------------------------------------------------------------------------------
@@ -307,6 +340,10 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       [[fallthrough]];
     case Family::unary:
       out_shape = g->nodes->shape[args[0]];
+      if (rule->padded && a.n > 0) {
+        push_any_length(g, key, args[0]);
+        return finish([&] { return named({any_length_tuple(g, args[0])}); });
+      }
       key.push(out_shape);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     case Family::reduce:
@@ -348,6 +385,20 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
         throw PythonError{};
       attr = vecs[which];
       key.push(tag_number(g, args[0]));
+      // Padded: the rows of a matrix a (W_i @ q with W_i of n_i rows), or the length of a
+      // vector a contracted with b (weights_i @ H_i), unless a parameter fixes it.
+      if (rule->padded && tag_number(g, args[0]) < 0 &&
+          (a.n == 2 || (a.n == 1 && tag_number(g, args[1]) < 0))) {
+        const bool vector = a.n == 1;  // (a's dims may move when the key is interned)
+        push_any_length(g, key, args[0]);
+        if (vector) push_any_length(g, key, args[1]);
+        else key.push(g->nodes->shape[args[1]]);
+        return finish([&] {
+          return named({Py_NewRef(Py_None), any_length_tuple(g, args[0]),
+                        vector ? any_length_tuple(g, args[1])
+                               : Py_NewRef(shape_tuple(g, args[1]))});
+        });
+      }
       key.push(g->nodes->shape[args[0]]);
       key.push(g->nodes->shape[args[1]]);
       return finish([&] {
@@ -370,7 +421,8 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
                       Py_NewRef(shape_tuple(g, args[1]))});
       });
     }
-    case Family::list: {
+    case Family::list:
+    case Family::stack: {
       const std::int32_t shape = g->nodes->shape[args[0]];
       for (std::size_t i = 1; i < n; ++i)
         if (g->nodes->shape[args[i]] != shape) {
@@ -387,8 +439,16 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
           Py_DECREF(sorted);
           throw PythonError{};
         }
-      out_shape = shape;
       key.push(shape);
+      if (rule->family == Family::stack) {  // (n, *shape), whatever n
+        out_dims.assign(1, static_cast<i64>(n));
+        out_dims.insert(out_dims.end(), a.d, a.d + a.n);
+        return finish([&] {
+          const Dims item = dims_of(g, args[0]);
+          return named({any_length_tuple(item.d, item.n)});
+        });
+      }
+      out_shape = shape;
       if (!rule->ragged) key.push(static_cast<i64>(n));
       return finish([&] {
         PyObject* s = Py_NewRef(shape_tuple(g, args[0]));
@@ -440,6 +500,10 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       if (i < 0) i += a[0];
       if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
       index = i;
+      if (rule->padded) {
+        push_any_length(g, key, args[0]);
+        return finish([&] { return named({any_length_tuple(g, args[0])}); });
+      }
       key.push(g->nodes->shape[args[0]]);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     }
@@ -597,7 +661,8 @@ PyObject* call_rule(Rule* rule, PyObject* const* argv, std::size_t argc, PyObjec
     PyObject* const* operands = argv;
     std::size_t n = arity(rule->family);
     PyObject* seq = nullptr;
-    if (rule->family == Family::list || rule->family == Family::concat) {
+    if (rule->family == Family::list || rule->family == Family::stack ||
+        rule->family == Family::concat) {
       seq = PySequence_Fast(argv[0], "expected a list of expressions");
       if (!seq) throw PythonError{};
       operands = PySequence_Fast_ITEMS(seq);
@@ -673,8 +738,9 @@ bool family_of(const char* name, Family* out) {
   static const std::pair<const char*, Family> families[] = {
       {"unary", Family::unary},   {"vector", Family::vector}, {"reduce", Family::reduce},
       {"binary", Family::binary}, {"matmul", Family::matmul}, {"affine", Family::affine},
-      {"list", Family::list},     {"concat", Family::concat}, {"pick", Family::pick},
-      {"pick_nls", Family::pick_nls}, {"slice", Family::slice}, {"lookup", Family::lookup}};
+      {"list", Family::list},     {"stack", Family::stack},   {"concat", Family::concat},
+      {"pick", Family::pick},     {"pick_nls", Family::pick_nls}, {"slice", Family::slice},
+      {"lookup", Family::lookup}};
   for (const auto& [n, f] : families)
     if (std::strcmp(n, name) == 0) return *out = f, true;
   return false;
@@ -689,14 +755,16 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* family_name = PyObject_GetAttrString(op, "rule");
   PyObject* name = family_name ? PyObject_GetAttrString(op, "name") : nullptr;
   PyObject* ragged = name ? PyObject_GetAttrString(op, "ragged") : nullptr;
+  PyObject* padded = ragged ? PyObject_GetAttrString(op, "padded") : nullptr;
   Family family;
   const char* fname =
       family_name && PyUnicode_Check(family_name) ? PyUnicode_AsUTF8(family_name) : nullptr;
-  const bool ok = ragged && PyUnicode_Check(name) && fname && family_of(fname, &family);
+  const bool ok = padded && PyUnicode_Check(name) && fname && family_of(fname, &family);
   Py_XDECREF(family_name);
   if (!ok) {
     Py_XDECREF(name);
     Py_XDECREF(ragged);
+    Py_XDECREF(padded);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Rule: op.rule names no rule family");
     return nullptr;
   }
@@ -704,6 +772,7 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!rule) {
     Py_DECREF(name);
     Py_DECREF(ragged);
+    Py_DECREF(padded);
     return nullptr;
   }
   rule->call = rule_vectorcall;
@@ -716,7 +785,9 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   rule->doc = Py_NewRef(doc);
   rule->cname = PyUnicode_AsUTF8(name);
   rule->ragged = PyObject_IsTrue(ragged) == 1;
+  rule->padded = PyObject_IsTrue(padded) == 1;
   Py_DECREF(ragged);
+  Py_DECREF(padded);
   return reinterpret_cast<PyObject*>(rule);
 }
 

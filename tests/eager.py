@@ -149,6 +149,7 @@ def attention(keys, query, values=None):
     V = K if values is None else torch.stack([_t(v) for v in values])
     return softmax(K @ _t(query)) @ V
 def concat(xs, dim: int = 0): return torch.cat([_t(x) for x in xs], dim)
+def stack(xs): return torch.stack([_t(x) for x in xs])
 
 
 # ---- reductions and losses -----------------------------------------------------------------

@@ -198,6 +198,18 @@ def _concat_many(B, c, d):
     return B.concat(xs)[a:a + 4]
 
 
+def _stack(B, c, d):
+    return small(B.stack(same_shape_list(c, 1 + c.int() % 4)))
+
+
+def _attend(B, c, d):
+    """Attention over the rows of an instance matrix (any number of them): M @ q, softmax,
+    weights @ M."""
+    m = c(matrix)
+    weights = B.softmax(B.matmul(m, c(exactly((shape_of(m)[1],)))))
+    return B.matmul(weights, m)
+
+
 def _n_ary(name):
     def build(B, c, d):
         xs = same_shape_list(c, 1 + c.int() % 4)
@@ -283,6 +295,8 @@ OPS = {
     "concat": _concat,
     "concat matrices": _concat_matrices,
     "concat of 8+": _concat_many,
+    "stack": _stack,
+    "attend": _attend,
     # reductions and losses
     "sum_elems": lambda B, c, d: B.tanh(B.sum_elems(c())),
     "mean_elems": lambda B, c, d: B.mean_elems(c()),

@@ -124,9 +124,33 @@ def test_a_ragged_batch_reads_every_argument_flat_and_each_nodes_arity():
         hs = [fb.tanh(x) for x in _inputs(3)]
         sums = [fb.esum(hs[:2]), fb.esum(hs[2:])]
         planned = Planned(g)
-        read_ids, stacked, arities = planned.batch_reads[planned.batch_of(sums[0])]  # forward 0
+        read_ids, stacked, arities, *_ = planned.batch_reads[planned.batch_of(sums[0])]
         assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 3)]
         assert stacked == 0 and planned.indices[arities:arities + 2] == [2, 1]
+
+
+def test_a_padded_batch_reads_each_argument_at_its_longest_and_each_nodes_length():
+    """`K_i @ q` over instance matrices of 3 and 1 rows: K is read 3 rows wide (the stack of 1
+    row is padded), q as it is, and the kernel gets the lengths 3 and 1."""
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(4)
+        keys = [fb.stack(xs[:3]), fb.stack(xs[3:])]
+        scores = [k @ xs[0] for k in keys]
+        planned = Planned(g)
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(scores[0])]
+        assert planned.indices[widths:widths + 2] == [3, 2] and uneven
+        assert planned.indices[lengths:lengths + 2] == [3, 1]
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(keys[0])]
+        assert planned.indices[widths] == 2 and lengths is None and uneven  # items (2,): as read
+
+
+def test_a_padded_batch_of_equal_lengths_gets_no_lengths():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(4)
+        weights = [fb.softmax(fb.stack(xs[:2])[0]), fb.softmax(fb.stack(xs[2:])[1])]
+        planned = Planned(g)
+        _, _, _, widths, lengths, uneven = planned.batch_reads[planned.batch_of(weights[0])]
+        assert planned.indices[widths] == 2 and lengths is None and not uneven
 
 
 def test_a_ragged_op_reads_its_fixed_arguments_one_each_then_its_lists_flat():
@@ -144,14 +168,14 @@ def test_a_ragged_op_reads_its_fixed_arguments_one_each_then_its_lists_flat():
         xs = _inputs(4, width=3)
         leaves = [cell([], x) for x in xs[:2]]
         planned = Planned(g)
-        nodes, (read_ids, stacked, arities) = cells(planned)
+        nodes, (read_ids, stacked, arities, *_) = cells(planned)
         assert len(read_ids) == 7  # every list is empty: no read of list items
         assert planned.indices[arities:arities + 2] == [0, 0]
         planned.discard()
         g.forward()
         cell(leaves, xs[2]), cell(leaves[:1], xs[3])
         planned = Planned(g)
-        nodes, (read_ids, stacked, arities) = cells(planned)
+        nodes, (read_ids, stacked, arities, *_) = cells(planned)
         assert len(read_ids) == 8 and stacked == 0
         assert planned.indices[arities:arities + 2] == [len(g.args_of(int(v))) - 7 for v in nodes]
         children = [u for v in nodes for u in g.args_of(int(v))[7:]]
@@ -164,7 +188,7 @@ def test_a_variadic_op_of_many_arguments_is_one_stacked_read():
         hs = [fb.tanh(x) for x in _inputs(16)]
         joined = [fb.concat(hs[:8]), fb.concat(hs[8:])]
         planned = Planned(g)
-        read_ids, stacked, arities = planned.batch_reads[planned.batch_of(joined[0])]
+        read_ids, stacked, arities, *_ = planned.batch_reads[planned.batch_of(joined[0])]
         assert stacked == 8 and arities is None
         assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 16)]
 
@@ -223,7 +247,7 @@ def _arguments(g: fb.Graph, nodes: np.ndarray, layout: tuple) -> list[list[int]]
     """The node ids each read of a batch should gather, by the op's argument layout: one read
     per argument position, except the flat read of all lists (a ragged op's arguments after its
     `fixed` first ones) or of all arguments (a stacked variadic op), node after node."""
-    read_ids, stacked, arities = layout
+    read_ids, stacked, arities, *_ = layout
     args = [g.args_of(int(v)) for v in nodes]
     if stacked:
         return [[a for node_args in args for a in node_args]]

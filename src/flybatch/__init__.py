@@ -17,7 +17,7 @@ from .ops import (abs, add, affine, attention, average, cdiv, cmult, concat, div
                   emax, esum, exp, input, log, log_softmax, logistic, logsumexp, lookup, matmul,
                   mean_elems, mul, neg, ones, parameter, pick, pick_neg_log_softmax, rectify,
                   relu, reshape, sigmoid, slice_rows, softmax, sqrt, square, squared_distance,
-                  squared_norm, sub, sum_elems, tanh, transpose, zeros)
+                  squared_norm, stack, sub, sum_elems, tanh, transpose, zeros)
 from .stats import Stats
 from .concurrent import MapBatchedError, map_batched
 from . import nn  # noqa: E402  (needs the ops above)
@@ -30,6 +30,6 @@ __all__ = [
     "esum", "exp", "input", "log", "log_softmax", "logistic", "logsumexp", "lookup", "matmul",
     "mean_elems", "mul", "neg", "new_graph", "nn", "ones", "parameter", "pick",
     "pick_neg_log_softmax", "rectify", "relu", "reshape", "sigmoid", "slice_rows", "softmax",
-    "sqrt", "square", "squared_distance", "squared_norm", "sub", "sum_elems", "tanh", "transpose",
-    "zeros", "MapBatchedError", "map_batched",
+    "sqrt", "square", "squared_distance", "squared_norm", "stack", "sub", "sum_elems", "tanh",
+    "transpose", "zeros", "MapBatchedError", "map_batched",
 ]

@@ -899,6 +899,31 @@ def _stack_batched(dim, batch):
     return torch.stack(batch, dim)
 
 
+def _stack_rows(tensors, dim=0, **kwargs):
+    """`torch.stack(xs)` of expressions along a new first dim: `fb.stack`, which batches
+    stacks of any number of rows as one launch (the rows of an attention's keys); any other
+    stack as its own node per shape."""
+    if not kwargs and isinstance(tensors, (list, tuple)) and tensors \
+            and all(type(t) is Expression for t in tensors):
+        g = tensors[0].graph
+        ndim = len(g.shape_of(tensors[0].id)) + 1
+        if -ndim <= dim < ndim and dim % ndim == 0 and all(_is_float(g, t) for t in tensors):
+            return ops.stack(list(tensors))
+    return _stack(tensors, dim, **kwargs)
+
+
+def _padded_vector(fb_op: Callable, fallback: Callable) -> Callable:
+    """softmax / log_softmax over the one dim of a vector expression: the padded fb op, one
+    launch for vectors of every length (scores over source positions); else `fallback`."""
+    def handler(x, dim=None, *args, **kwargs):
+        if type(x) is Expression and not args and kwargs.get("dtype") is None \
+                and set(kwargs) <= {"dtype"} and dim in (0, -1) \
+                and len(x.shape) == 1 and _is_float(x.graph, x):
+            return fb_op(x)
+        return fallback(x, dim, *args, **kwargs)
+    return handler
+
+
 def _transpose(x, dim0, dim1):
     """x.transpose(dim0, dim1): both dims shifted past the batch dim."""
     if not isinstance(x, Expression):
@@ -1342,7 +1367,7 @@ for _op, (_funcs, _reflected) in _binary_ops.items():
 _register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm), _matmul)
 _register((T.__rmatmul__,), _rmatmul)
 _register((torch.cat, torch.concat, torch.concatenate), _cat)
-_register((torch.stack,), _stack)
+_register((torch.stack,), _stack_rows)
 for _func in (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.squeeze,
               torch.squeeze, T.unsqueeze, torch.unsqueeze, T.view_as, T.reshape_as, T.unflatten,
               torch.unflatten, T.contiguous, T.ravel, torch.ravel):
@@ -1364,6 +1389,10 @@ for _name_, _funcs in {
 }.items():
     for _func in _funcs:
         _register((_func,), _shifted(_func, 1, _name_, cheap=_name_ in ("select", "narrow")))
+for _func in (torch.softmax, T.softmax, F.softmax):
+    _register((_func,), _padded_vector(ops.softmax, _shifted(_func, 1, "softmax")))
+for _func in (torch.log_softmax, T.log_softmax, F.log_softmax):
+    _register((_func,), _padded_vector(ops.log_softmax, _shifted(_func, 1, "log_softmax")))
 _register((torch.transpose, T.transpose), _transpose)
 _register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
           else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))

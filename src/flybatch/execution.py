@@ -54,15 +54,23 @@ def run(graph: "Graph", plan: Schedule) -> None:
     for source in [s for s in fan_outs if s < plan.first_batch]:
         _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
-    for nodes, (arg_reads, stacked, arities) in zip(plan.batches, batch_reads):
+    for nodes, (arg_reads, stacked, arities, widths, lengths, uneven) in zip(plan.batches,
+                                                                             batch_reads):
         first = int(nodes[0])
         op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         else:
             size = len(nodes)
-            xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch)
-                  for r in arg_reads]
+            # Rows to narrow or pad to the width read: from a result stored padded, or for a
+            # padded op's nodes of different lengths.
+            if graph.padded or lengths is not None:
+                widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
+                xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch, width)
+                      for r, width in zip(arg_reads, widths)]
+            else:
+                xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch)
+                      for r in arg_reads]
             if op.ragged:  # each node's number of list items
                 attr = indices.numpy[arities:arities + size]
             else:
@@ -75,16 +83,21 @@ def run(graph: "Graph", plan: Schedule) -> None:
                     attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
             if op.random:  # one sample per node, never one broadcast row for all
                 xs = [x.expand(size, *x.shape[1:]) for x in xs]
+            args = (xs, attr, shape_of(first))
+            if op.padded:  # and each node's length, when they differ
+                args += (None if lengths is None else indices.numpy[lengths:lengths + size],)
             if graph.is_no_grad(first):  # written under torch.no_grad() (the whole batch was)
                 with torch.no_grad():
-                    out = _guarded(graph, nodes, op.kernel, xs, attr, shape_of(first))
+                    out = _guarded(graph, nodes, op.kernel, *args)
             else:
-                out = _guarded(graph, nodes, op.kernel, xs, attr, shape_of(first))
+                out = _guarded(graph, nodes, op.kernel, *args)
             if out.shape[0] != size:
                 out = out.expand(size, *out.shape[1:])
             values.append(out)
             graph.launches.append((graph.sig_of(first), size))
         source = len(values) - 1
+        if uneven:
+            graph.padded.add(source)
         if source in fan_outs:
             _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
 
@@ -170,10 +183,11 @@ def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
 
 
 def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
-             pieces: dict[int, torch.Tensor], first_batch: int) -> torch.Tensor:
+             pieces: dict[int, torch.Tensor], first_batch: int, width: int = -1) -> torch.Tensor:
+    """The tensor of read `k`; with a `width` >= 0, its rows narrowed or padded to it."""
     piece = pieces.pop(k, None)
     if piece is not None:
-        return piece
+        return _fit(piece, width)
     read = reads[k]
     kind = read[0]
     if kind == "view":
@@ -181,19 +195,19 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
         graph.gathers_avoided += 1
         tensor = graph.values[source]
         if source < first_batch and tensor.requires_grad and length < tensor.shape[0]:
-            return _sink(graph, source).read(None, start, length)
-        return _rows(tensor, start, length)
+            return _fit(_sink(graph, source).read(None, start, length), width)
+        return _fit(_rows(tensor, start, length), width)
     if kind == "rows":
         _, source, at, length = read
         graph.gathers += 1
         tensor = graph.values[source]
         rows = indices.rows(at, length, tensor)
         if source < first_batch and tensor.requires_grad:
-            return _sink(graph, source).read(rows)
-        return tensor.index_select(0, rows)
+            return _fit(_sink(graph, source).read(rows), width)
+        return _fit(tensor.index_select(0, rows), width)
     _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, first_batch)
+    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, first_batch, width)
                          for p in parts])
     if inverse is None:
         return stacked
@@ -267,6 +281,18 @@ class _SinkRead(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.sink.add(ctx.rows, ctx.start, grad)
         return grad.new_zeros(()), None, None, None, None
+
+
+def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of a result with their leading dim `width` (-1: as they are): narrowed when the
+    result is stored padded wider, padded with zeros when a padded op reads it with longer
+    ones. Autograd takes the gradient of the real part only."""
+    if width < 0 or rows.shape[1] == width:
+        return rows
+    if rows.shape[1] > width:
+        return rows.narrow(1, 0, width)
+    missing = rows.new_zeros(rows.shape[0], width - rows.shape[1], *rows.shape[2:])
+    return torch.cat([rows, missing], 1)
 
 
 def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:

@@ -49,6 +49,13 @@ class Op:
     per_node_attrs: bool = False  # the rules give each node an int (pick's index, lookup's row)
     stack_from: int | None = None
     ragged: bool = False  # variadic, any arity in one batch: ONE flat argument, attr = arities
+    # Lengths differ in one batch: its rule leaves the leading dim of the first argument (a
+    # vector's length, a matrix's rows) out of the signature. The executor pads each argument to
+    # the longest of its column (with zeros) and calls `kernel(xs, attr, shape, lengths)`, with
+    # each node's length of its first argument (None when they are equal: nothing is padded);
+    # the kernel masks what the padding would change, and leaves zeros in the padding of a
+    # result whose length varies (stored padded: each node keeps its own shape).
+    padded: bool = False
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
     # Draws random numbers: each node needs its own sample, so the executor never lets a batch
     # of it run on one broadcast row (every node reading the same input).
@@ -261,6 +268,9 @@ class Graph(_core.Store):
         # computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
         self.values: list[torch.Tensor] = []
+        # The batches whose result may be stored padded (rows longer than some nodes' shapes:
+        # a padded op's nodes of different lengths); a value read from one is narrowed.
+        self.padded: set[int] = set()
         live_graphs.add(self)
         self.sinks: dict[int, Any] = {}  # batch -> its gradient sink (execution._GradientSink)
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
@@ -492,7 +502,9 @@ class Graph(_core.Store):
         nodes = [self.node_of(e) for e in exprs]
         if stack:
             return self._stacked(nodes)
-        if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
+        # One at a time: a node made by a generator given as `exprs`, or a row of a result
+        # stored padded (narrowed to the node's shape).
+        if self.padded or any(node >= self.n_done for node in nodes):
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
         with _no_capture():  # once for all rows (the parser asks for 64 per step)
@@ -512,10 +524,14 @@ class Graph(_core.Store):
                 return torch.stack(rows)
         positions = [self.position(node) for node in nodes]
         batch = positions[0][0]
+        if any(b != batch for b, _ in positions):
+            rows = [self.value_of(node) for node in nodes]
+            with _no_capture():
+                return torch.stack(rows)
         with _no_capture():
-            if any(b != batch for b, _ in positions):
-                return torch.stack([self.values[b][r] for b, r in positions])
             source, first = self.values[batch], positions[0][1]
+            if batch in self.padded:  # rows as long as the longest node's: the nodes' length
+                source = source.narrow(1, 0, self.shape_of(nodes[0])[0])
             rows = [r for _, r in positions]
             if rows == list(range(first, first + len(rows))):
                 return source.narrow(0, first, len(rows))
@@ -530,7 +546,10 @@ class Graph(_core.Store):
                 self.forward()
         batch, row = self.position(node)
         with _no_capture():
-            return self.values[batch][row]
+            value = self.values[batch][row]
+            if batch in self.padded:  # the node's own length of a padded row
+                value = value.narrow(0, 0, self.shape_of(node)[0])
+            return value
 
     def backward(self, expr: Expression, retain_graph: bool = True) -> None:
         value = self.value_of(self.node_of(expr))
@@ -582,6 +601,7 @@ class Graph(_core.Store):
         """Free the values (and the autograd graph behind them); further use raises GraphError."""
         super().close()
         self.values = []
+        self.padded = set()
         self.sinks = {}
         self._leaf_nodes = {}
         self.tags = {}

@@ -8,8 +8,8 @@ the user-facing function, one C call per node (so are the operators `+ - * / @`,
 `x[i]`, `x[a:b]`). The families: unary elementwise ("unary"; "vector" for ops of vectors,
 "reduce" for reductions to a scalar), binary elementwise with NumPy broadcasting of per-instance
 shapes ("binary"), products with a shared parameter ("matmul", "affine", "lookup"), lists
-("list", "concat"), "pick", "pick_nls" and "slice". The few ops without a family (reshape,
-transpose, dropout) are Python functions that call `Graph.add` with their own key.
+("list", "stack", "concat"), "pick", "pick_nls" and "slice". The few ops without a family
+(reshape, transpose, dropout) are Python functions that call `Graph.add` with their own key.
 The ops written in Python are wrapped by `_core.own_time`, so that their calls count as
 flybatch's part of a build, as the compiled rules do (the bench reports the rest, the user's own
 per-instance Python, as `build_user`).
@@ -19,16 +19,26 @@ ops by op and input shapes; `W @ x`, `affine` and `lookup` also by the parameter
 every `W @ h_i` of a batch becomes ONE `H @ W.T`.
 
 Ragged ops batch nodes that differ only in the length of a list: `esum`, `average`, `emax`,
-`logsumexp`, `attention` and the fused child-sum Tree-LSTM cell (fb.nn) over any number of
-children. Their signature leaves the length out; the executor gathers every item of every node
+`logsumexp`, `attention`, `stack` and the fused child-sum Tree-LSTM cell (fb.nn) over any number
+of children. Their signature leaves the length out; the executor gathers every item of every node
 of a batch as ONE flat argument and gives the kernel each node's length, and the kernel reduces
 each node's segment (a segment sum, or a padded `[B, longest, ...]` view with a fill that the
-reduction ignores). A length lives in a list, never in a shape, so each node's output shape is
-fixed and a batch stays one `[B, *shape]` tensor: no padded storage or per-node lengths outside
-the kernel. Attention over a variable number of source positions is therefore written over
-lists: `attention(keys, query)` is one node giving the context; scores as a list of scalars go
-through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list. A
-vector whose length varies (`M_i @ q` with `M_i` of shape (n_i, d)) makes a signature per length.
+reduction ignores).
+
+Padded ops batch nodes whose first argument differs only in its leading dim, a length:
+`softmax`, `log_softmax` and `pick_neg_log_softmax` of vectors, and `matmul` of an instance
+matrix of n_i rows with a vector (`M_i @ q`) or of a vector with it (`weights_i @ M_i`), unless
+a parameter fixes the length. Their signature writes the length as n (`softmax(n,)`,
+`matmul(n, 64)(64,)`). The executor pads each argument to the longest of its batch with zeros
+and gives the kernel each node's length; the kernel masks what the padding would change (-inf
+before a softmax). A result whose length varies (these, `stack`) is stored padded as ONE
+`[B, longest, ...]` tensor with zeros in the padding, each node keeping its own shape: a read
+narrows the rows to the reader's width (an op that batches equal shapes only, such as `tanh`,
+`pick`, `slice_rows` or `sum_elems`, reads exactly its shape), and `value()` is the node's own.
+Attention over a variable number of source positions is thus one launch per op and step,
+written over a matrix (`softmax(K @ q) @ K` with `K = stack(keys)`) or over lists:
+`attention(keys, query)` is one node giving the context, and scores as a list of scalars go
+through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list.
 """
 
 from __future__ import annotations
@@ -194,7 +204,9 @@ cdiv = div = _binary("div", torch.div)
 
 
 # ---- products ----------------------------------------------------------------------------
-def _matmul_kernel(xs, attr, shape):
+def _matmul_kernel(xs, attr, shape, lengths):
+    # Padded rows of a (or a padded contracted dim) are zeros: the padding of the product is
+    # zeros too, and adds nothing to a contraction. (They are multiplied, and counted as FLOPs.)
     a, b = xs
     a_vec, b_vec = attr
     if a_vec and b_vec:  # dot product of two vectors
@@ -212,8 +224,10 @@ def _matmul_kernel(xs, attr, shape):
 
 
 # Signature ("matmul", tag of a if a parameter, shape of a, shape of b); attr (a is a vector,
-# b is a vector).
-MATMUL = Op("matmul", _matmul_kernel, rule="matmul")
+# b is a vector). Padded unless a parameter fixes the length: the leading dim of an expression
+# matrix a (`M_i @ q`, M_i of n_i rows) and the length of a vector a times an expression b
+# (`weights_i @ M_i`) are left out of the signature.
+MATMUL = Op("matmul", _matmul_kernel, padded=True, rule="matmul")
 matmul = _core.Rule(MATMUL, doc="matmul(a, b): `a @ b` for vectors and matrices (per instance), "
                                 "as `torch.matmul`.")
 
@@ -342,6 +356,14 @@ def attention(keys: Sequence[Operand], query: Operand,
     return _attention_kv([Expression(g, q), *(x for pair in zip(keys, values) for x in pair)])
 
 
+# Signature ("stack", (n, *item shape)): any number of items, stored padded with zeros.
+STACK = Op("stack", lambda xs, lengths, shape: _per_node(xs[0], lengths, 0.0), ragged=True,
+           cheap=True, rule="stack")
+stack = _core.Rule(STACK, doc="""stack(xs): the expressions of `xs` (of equal shape) as the rows of
+one tensor of shape (len(xs), *shape), as `torch.stack`: a matrix of vectors, the keys of an
+attention. Stacks of any number of rows batch as one kernel.""")
+
+
 def _concat_kernel(xs, dim, shape):
     if len(xs) == 1 and xs[0].dim() == len(shape) + 2:  # stacked [B, k, n, ...] along dim 0
         x = xs[0]
@@ -386,13 +408,25 @@ def squared_distance(a: Operand, b: Operand) -> Expression:
     return squared_norm(sub(a, b))
 
 
-def _softmax(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0]), rule="vector")
-    return _core.Rule(op)
+def _padding(lengths: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """`[B, longest]`: True where a node's vector (the rows of `x`) is padding."""
+    return torch.from_numpy(np.arange(x.shape[1]) >= lengths[:, None]).to(x.device)
 
 
-_softmax_vector = _softmax("softmax", lambda x: torch.softmax(x, -1))
-_log_softmax_vector = _softmax("log_softmax", lambda x: torch.log_softmax(x, -1))
+def _softmax(name: str, fn: Callable[[torch.Tensor, int], torch.Tensor]):
+    def kernel(xs, attr, shape, lengths):
+        if lengths is None:
+            return fn(xs[0], -1)
+        # -inf: the padding gets no weight; then zeros in the result's padding.
+        padding = _padding(lengths, xs[0])
+        return fn(xs[0].masked_fill(padding, -math.inf), -1).masked_fill(padding, 0.0)
+
+    return _core.Rule(Op(name, kernel, padded=True, rule="vector"))
+
+
+# Padded: vectors of any length in one batch. Signature (name, (n,)).
+_softmax_vector = _softmax("softmax", torch.softmax)
+_log_softmax_vector = _softmax("log_softmax", torch.log_softmax)
 
 
 @_core.own_time
@@ -419,17 +453,21 @@ def _pick_kernel(xs, attr, shape):
     return x.expand(len(index), *x.shape[1:])[rows, _index(index, x)]
 
 
-def _pnls_kernel(xs, attr, shape):
+def _pnls_kernel(xs, attr, shape, lengths):
     _, label = attr
     x = xs[0].expand(len(label), *xs[0].shape[1:])
+    if lengths is not None:
+        x = x.masked_fill(_padding(lengths, x), -math.inf)
     # One call for log_softmax and the pick: the same values and gradients, bit for bit, as
     # `-log_softmax(x).gather(label)`, with 1 autograd node instead of 4 (per-forward cost).
     return F.cross_entropy(x, _index(label, x), reduction="none")
 
 
 # Signature (name, shape of x); attr the index, checked and made non-negative at the call.
+# pick_neg_log_softmax is padded: (name, (n,)) for vectors of any length.
 PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, rule="pick")
-PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, rule="pick_nls")
+PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, padded=True,
+              rule="pick_nls")
 pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "
                             "per-instance dim.")
 _pick_nls = _core.Rule(PICK_NLS)

@@ -42,7 +42,7 @@ def remember(graph: "Graph", obj: object, *facts: object) -> tuple:
 
 def describe(sig: int, graph: "Graph") -> str:
     """A readable form of signature `sig` of `graph` (an int means nothing outside its graph),
-    e.g. `matmul[param](64, 96)(96,)` or `tanh(64,)`."""
+    e.g. `matmul[param](64, 96)(96,)`, `tanh(64,)` or `softmax(n,)` (vectors of any length)."""
     name, *rest = graph.sig_keys[sig]
     return name + "".join(_describe(item) for item in rest)
 
@@ -51,8 +51,8 @@ def _describe(item: object) -> str:
     if isinstance(item, tuple):
         if len(item) == 2 and item[0] == "P":
             return "[param]"
-        if all(isinstance(d, int) for d in item):
-            return str(item)
+        if all(isinstance(d, int) or d == "n" for d in item):  # a shape; "n": any length
+            return f"({', '.join(map(str, item))}{',' if len(item) == 1 else ''})"
         return "".join(_describe(i) for i in item)
     if item is None:
         return ""
