@@ -98,7 +98,7 @@ def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
     out = capsys.readouterr().out
     assert "correctness treelstm" in out and "OK" in out
     table = report.markdown(lines)
-    assert "| treelstm |" in table and "agenda" in table and "(user " in table
+    assert "| treelstm |" in table and "agenda" in table and "(user " in table and "% / flybatch" in table
     assert {p.name for p in report.charts(lines, tmp_path)} == {"throughput.png",
                                                                  "breakdown.png"}
 

@@ -86,8 +86,9 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
         s = f"{1e3 * secs['build']:.1f}"
         if "build_split" in r:
             split = r["build_split"]
-            s += (f" + {1e3 * secs.get('schedule', 0.0):.1f} (user {1e3 * split['user']:.1f}"
-                  f" / flybatch {1e3 * split['flybatch']:.1f})")
+            user = split["user"] / max(split["user"] + split["flybatch"], 1e-12)
+            s += (f" + {1e3 * secs.get('schedule', 0.0):.1f} (user {100 * user:.0f}% / "
+                  f"flybatch {100 * (1 - user):.0f}%)")
         return s
 
     def memory_cell(r):
@@ -115,9 +116,11 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "**Launches / lower bound; input copies made / avoided** (flybatch modes):\n",
            table(detail_cell),
            "**Build per training minibatch** (ms; flybatch modes: the graph's build + its "
-           "scheduling, in brackets a build split into the task's own per-instance Python and "
-           "flybatch's op calls, measured on 3 more minibatches with flybatch's own-time clock "
-           "on; dynet-* modes: DyNet's graph build, the same per-instance Python included):\n",
+           "scheduling, in brackets the build's shares of the task's own per-instance Python "
+           "and of flybatch's op calls, measured on 3 more minibatches with flybatch's own-time "
+           "clock on (shares, since those minibatches ran at another moment of a noisy "
+           "machine); dynet-* modes: DyNet's graph build, the same per-instance Python "
+           "included):\n",
            table(build_cell),
            "**Peak memory** (MB: peak RSS of the process during the mode, in brackets its growth "
            "over the RSS at the mode's start; DyNet reserves its --mem pool, 1 GB):\n",
