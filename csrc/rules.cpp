@@ -1023,76 +1023,10 @@ PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   });
 }
 
-const char kLstmDoc[] =
-    "lstm_sequence(op, affine, xs, weight_ih, bias, hc, tag, weight_hh, hidden)\n"
-    "    -> (list of h, last [h; c])\n\n"
-    "An LSTM cell (nn.LSTMCell) over the inputs `xs` in one call: per step the input projection\n"
-    "`affine(weight_ih, x, bias)`, the fused cell `op` over it and the state `hc` (node of\n"
-    "[h; c], then each step's), batched by the cell's `tag` with its parameter node\n"
-    "`weight_hh`, and the slice h of the new state: the nodes T separate cell calls make.";
-
-PyObject* lstm_sequence(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 9 || !PyObject_TypeCheck(argv[1], &RuleType) || !is_expression(argv[5])) {
-    PyErr_SetString(PyExc_TypeError, "lstm_sequence(op, affine, xs, weight_ih, bias, hc, tag, "
-                                     "weight_hh, hidden): affine a Rule, hc an Expression");
-    return nullptr;
-  }
-  return guarded([&]() -> PyObject* {
-    PyObject *op = argv[0], *tag = argv[6];
-    Rule* affine = reinterpret_cast<Rule*>(argv[1]);
-    PyObject* xs = PySequence_Fast(argv[2], "lstm_sequence: xs must be a sequence");
-    if (!xs) throw PythonError{};
-    Release r1{xs};
-    const i64 w_hh = PyLong_AsLongLong(argv[7]), H = PyLong_AsLongLong(argv[8]);
-    if (PyErr_Occurred()) throw PythonError{};
-    PyObject* name = PyObject_GetAttrString(op, "name");
-    if (!name) throw PythonError{};
-    Release r2{name};
-    PyObject* expect = Py_BuildValue("((L)(L))", static_cast<long long>(4 * H),
-                                     static_cast<long long>(2 * H));
-    if (!expect) throw PythonError{};
-    Release r3{expect};
-    PyObject* begin = PyLong_FromLong(0);
-    Release r4{begin};
-    PyObject* end = PyLong_FromLongLong(H);
-    Release r5{end};
-    if (!begin || !end) throw PythonError{};
-    const Py_ssize_t T = PySequence_Fast_GET_SIZE(xs);
-    PyObject* hs = PyList_New(T);
-    if (!hs) throw PythonError{};
-    Release r6{hs};
-    PyObject* hc = Py_NewRef(argv[5]);
-    Release last{nullptr};
-    const i64 two_h = 2 * H;
-    for (Py_ssize_t t = 0; t < T; ++t) {
-      last.o = hc;
-      PyObject* step[3] = {argv[3], PySequence_Fast_ITEMS(xs)[t], argv[4]};
-      PyObject* projected = call_rule(affine, step, 3, nullptr);
-      if (!projected) throw PythonError{};
-      Release r7{projected};
-      Expression* p = as_expression(projected);
-      Store* g = p->graph;
-      if (as_expression(hc)->graph != g) node_of(g, hc);  // raises: another graph
-      const i64 args[3] = {p->id, as_expression(hc)->id, w_hh};
-      hc = fused_node(g, op, name, args, 2, 3, expect, tag, &two_h, 1, Py_None);
-      Py_DECREF(last.o);
-      last.o = hc;
-      PyObject* slice[3] = {hc, begin, end};
-      PyObject* h = call_rule(reinterpret_cast<Rule*>(g_rules[kSlice]), slice, 3, slice + 1);
-      if (!h) throw PythonError{};
-      PyList_SET_ITEM(hs, t, h);
-    }
-    last.o = nullptr;
-    return Py_BuildValue("(ON)", hs, hc);
-  });
-}
-
 PyMethodDef kRuleFunctions[] = {
     {"set_operators", set_operators, METH_VARARGS, kOperatorsDoc},
     {"fused", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fused)), METH_FASTCALL,
      kFusedDoc},
-    {"lstm_sequence", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lstm_sequence)),
-     METH_FASTCALL, kLstmDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 

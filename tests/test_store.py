@@ -86,7 +86,7 @@ def test_a_table_rebound_to_more_rows_inside_a_graph_is_looked_up_by_its_new_siz
         assert fb.lookup(E, 4).value().tolist() == [8.0, 9.0]
 
 
-def test_an_lstm_sequence_makes_the_nodes_of_its_steps():
+def test_an_lstm_over_a_sequence_is_one_node_giving_what_its_cell_gives_step_by_step():
     torch.manual_seed(0)
     cell = fb.nn.LSTMCell(3, 4)
     xs = [torch.randn(3) for _ in range(5)]
@@ -96,6 +96,8 @@ def test_an_lstm_sequence_makes_the_nodes_of_its_steps():
             state = cell(x, state)
             stepwise.append(state.h)
         together = fb.nn.LSTM.run(cell, xs)
-        assert [e.op for e in together] == ["slice"] * 5
+        assert [e.op for e in together] == ["lstm_step"] * 5
+        assert {together[0].graph.op_of(a).name for a in together[0].graph.args_of(
+            together[0].id)} == {"lstm_layer"}
         for a, b in zip(stepwise, together):
             torch.testing.assert_close(a.value(), b.value())

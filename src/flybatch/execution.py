@@ -60,6 +60,9 @@ def run(graph: "Graph", plan: Schedule) -> None:
         op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
+        elif op.picks_from_input and _run_picked(graph, nodes, arg_reads[0], reads, indices,
+                                                  pieces, plan.first_batch):
+            graph.launches.append((graph.sig_of(first), len(nodes)))
         else:
             size = len(nodes)
             # Rows to narrow or pad to the width read: from a result stored padded, or for a
@@ -100,6 +103,44 @@ def run(graph: "Graph", plan: Schedule) -> None:
             graph.padded.add(source)
         if source in fan_outs:
             _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
+
+
+def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read], indices: "_Indices",
+            pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
+    """A pick batch whose input is rows of results of this forward, run as one index of each
+    result (appended to graph.values): the element picked, not each node's whole input, is
+    copied. False when its read needs the general path (a piece of a fan-out, an earlier
+    forward's result behind a gradient sink)."""
+    read = reads[k]
+    parts, inverse = (read[1], read[2]) if read[0] == "multi" else ((k,), None)
+    if any(p in pieces or reads[p][0] == "multi" or reads[p][1] < first_batch for p in parts):
+        return False
+    picked = np.frombuffer(graph.indices(nodes), np.int64)
+    if inverse is not None:  # the parts' rows in their concatenated order
+        order = indices.numpy[inverse:inverse + len(nodes)]
+        picked = np.empty_like(picked)
+        picked[order] = np.frombuffer(graph.indices(nodes), np.int64)
+    out, done = [], 0
+    for p in parts:
+        kind, source, at, length = reads[p]
+        tensor = graph.values[source]
+        size = len(nodes) if len(parts) == 1 else length
+        if kind == "view":  # a run of rows, or one row every node reads
+            rows = torch.arange(at, at + length, device=tensor.device).expand(size)
+            graph.gathers_avoided += 1
+        else:
+            rows = indices.rows(at, length, tensor)
+            graph.gathers += 1
+        index = torch.from_numpy(picked[done:done + size]).to(tensor.device)
+        out.append(tensor[rows, index])
+        done += size
+    value = out[0] if len(out) == 1 else torch.cat(out)
+    if inverse is not None:
+        value = value.index_select(0, indices.rows(inverse, len(nodes), value))
+    if graph.is_no_grad(int(nodes[0])):
+        value = value.detach()  # written under torch.no_grad(): no gradient, as eagerly
+    graph.values.append(value)
+    return True
 
 
 def _refresh_parameters(graph: "Graph") -> None:

@@ -57,6 +57,10 @@ class Op:
     # result whose length varies (stored padded: each node keeps its own shape).
     padded: bool = False
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
+    # The kernel is `x[i]` of each node's one input (pick): the executor runs it as ONE index
+    # of the batch result the inputs live in, instead of first copying every node's whole input
+    # (a pick of step t of a sequence's (n, H) result would copy the (n, H) per step).
+    picks_from_input: bool = False
     # Draws random numbers: each node needs its own sample, so the executor never lets a batch
     # of it run on one broadcast row (every node reading the same input).
     random: bool = False

@@ -18,7 +18,9 @@ import math
 import re
 from typing import Sequence
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _core, kernels, ops, signatures
@@ -228,6 +230,61 @@ def _lstm_kernel(xs, attr, shape):
 
 
 LSTM_CELL = Op("lstm_cell", _lstm_kernel)
+
+
+def _length_groups(lengths: np.ndarray, ratio: float = 1.5) -> list[np.ndarray]:
+    """Rows by length, longest first: a row joins the current group while its length is at
+    least the group's longest / ratio, so padding is under a third of any group's steps."""
+    order = np.argsort(-lengths, kind="stable")
+    groups, start = [], 0
+    while start < len(order):
+        end, top = start, lengths[order[start]]
+        while end < len(order) and lengths[order[end]] * ratio >= top:
+            end += 1
+        groups.append(order[start:end])
+        start = end
+    return groups
+
+
+def _torch_lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor:
+    """torch's LSTM (oneDNN's RNN primitive on CPU, cuDNN on CUDA) over `x` [B, T, D] from a
+    zero state, with the cell's single bias: the h of every step, [B, T, H]."""
+    h0 = x.new_zeros(1, x.shape[0], w_hh.shape[1])
+    return torch.lstm(x, (h0, h0), (w_ih, w_hh, bias, torch.zeros_like(bias)), True, 1, 0.0,
+                      False, False, True)[0]
+
+
+def _lstm_layer_kernel(xs, attr, shape, lengths):
+    """Every sequence of the batch through the LSTM at once: `xs[0]` is the stacked inputs
+    [B, T, D], padded with zeros past each sequence's length. A step past the end sees padding,
+    but no valid step depends on it (the recurrence runs forward), and its outputs are zeroed.
+    Sequences of very different lengths run in groups of similar length, one torch call each,
+    so that padding does not dominate."""
+    x, w_ih, w_hh, bias = xs[0], xs[1][0], xs[2][0], xs[3][0]
+    if lengths is None:  # all of one length
+        return _torch_lstm(x, w_ih, w_hh, bias)
+    T = x.shape[1]
+    outs, rows = [], []
+    for group in _length_groups(lengths):
+        longest = int(lengths[group[0]])
+        members = torch.from_numpy(group).to(x.device)
+        h = _torch_lstm(x.index_select(0, members)[:, :longest], w_ih, w_hh, bias)
+        outs.append(F.pad(h, (0, 0, 0, T - longest)))
+        rows.append(members)
+    out = torch.cat(outs).index_select(0, torch.argsort(torch.cat(rows)))
+    padding = torch.from_numpy(np.arange(T)[None, :] >= lengths[:, None]).to(x.device)
+    return out.masked_fill(padding.unsqueeze(-1), 0.0)
+
+
+# A cell over a whole sequence: (stacked inputs (n, D), weight_ih, weight_hh, bias) -> the h of
+# every step (n, H). Signature ("lstm_layer", the cell's tag): sequences of any length, padded.
+LSTM_LAYER = Op("lstm_layer", _lstm_layer_kernel, padded=True)
+# Step t's h of a layer's result: `x[t]` of a sequence of any length, read in place (only the
+# row picked is copied, not each sequence's whole (n, H)).
+LSTM_STEP = Op("lstm_step", lambda xs, attr, shape, lengths=None: ops._pick_kernel(xs, attr, shape),
+               per_node_attrs=True, cheap=True, padded=True, rule="pick", picks_from_input=True)
+_lstm_step = _core.Rule(LSTM_STEP)
 _TORCH_LSTM_KEY = re.compile(r"(weight_ih|weight_hh|bias_ih|bias_hh)_l(\d+)(_reverse)?")
 
 
@@ -326,19 +383,23 @@ class LSTM(nn.Module):
     @staticmethod
     @_core.own_time
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
-        """The `h` of each step of `cell` over `xs` from a zero state: the nodes of calling the
-        cell step by step, made by one call of the compiled core."""
+        """The `h` of each step of `cell` over `xs` from a zero state, as calling the cell step
+        by step computes them, in ONE node for the whole sequence (`LSTM_LAYER`: its batched
+        kernel runs torch's LSTM over every sequence of the batch at once) and a node per step
+        reading its `h` (`lstm_step`, batched across steps and sequences)."""
         xs = list(xs)
         if not xs:
             return []
-        g = ops.graph_of(*xs)
+        X = ops.stack(xs)
+        if X.shape[1:] != (cell.input_size,):
+            raise ShapeError(f"LSTM: the cell takes inputs of shape ({cell.input_size},), got "
+                             f"{X.shape[1:]}")
+        g = X.graph
         _, tag, table = cell._in_graph(g)
-        H = cell.hidden_size
-        params = cell._parameters
-        weight_ih, bias = params["weight_ih"], params["bias"]
-        hs, _ = _core.lstm_sequence(LSTM_CELL, ops.affine, xs, weight_ih, bias,
-                                    ops.zeros(2 * H, graph=g), tag, table["weight_hh"], H)
-        return hs
+        n = len(xs)
+        out = g.add(LSTM_LAYER, (X.id, table["weight_ih"], table["weight_hh"], table["bias"]),
+                    (n, cell.hidden_size), ("lstm_layer", tag))
+        return [_lstm_step(out, t) for t in range(n)]
 
     def forward(self, xs: Sequence[Operand]) -> list[Expression]:
         xs = list(xs)
