@@ -342,6 +342,8 @@ class LSTMCell(FusedModule):
 class LSTM(nn.Module):
     """Runs LSTM cells over a list of expressions; returns the top layer's outputs.
 
+    Each layer and direction over the sequence is one `lstm_layer` node (see `run`): the
+    batch of every instance's sequence is one call of torch's LSTM, not one launch per step.
     With `bidirectional=True` each output is `[forward h_t; backward h_t]`, and a layer above
     reads those concatenations: torch.nn.LSTM's output for one sequence, step by step.
     `load_state_dict` takes torch.nn.LSTM's state_dicts (`weight_ih_l{k}` is
