@@ -177,3 +177,20 @@ def test_a_captured_product_with_a_per_instance_weight_counts_its_flops():
                 for i in range(3)]
         fb.esum(outs).item()
     assert kernels.flops.total == 3 * 2 * 6 * 4 * 2  # forward + dW (the input needs none)
+
+
+def test_an_lstm_layer_counts_the_products_of_its_valid_steps():
+    # Per step: the input's product (the weight's gradient recorded, the input is constant)
+    # and the state's (after a sequence's first step, the state's gradient too), 2 FLOPs per
+    # multiply-add; the padding of shorter sequences is not counted.
+    torch.manual_seed(0)
+    D, H, lengths = 3, 4, (5, 1, 3)
+    cell = fb.nn.LSTMCell(D, H)
+    kernels.flops.reset()
+    with fb.Graph():
+        last = [fb.nn.LSTM.run(cell, [torch.randn(D) for _ in range(n)])[-1] for n in lengths]
+        fb.esum([fb.sum_elems(h) for h in last]).value()
+    steps, first_steps = sum(lengths), len(lengths)
+    expected = (steps * 4 * H * D * 2 * 2 + first_steps * 4 * H * H * 2 * 2
+                + (steps - first_steps) * 4 * H * H * 2 * 3)
+    assert kernels.flops.total == expected

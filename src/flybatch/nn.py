@@ -262,6 +262,14 @@ def _lstm_layer_kernel(xs, attr, shape, lengths):
     Sequences of very different lengths run in groups of similar length, one torch call each,
     so that padding does not dominate."""
     x, w_ih, w_hh, bias = xs[0], xs[1][0], xs[2][0], xs[3][0]
+    # The cell's products at each valid step (not the padding), as the cell step by step
+    # counts them: the input's, and the state's, whose gradient autograd records after the
+    # first step (the zero state has none) when the weights' is.
+    B, gates, H = x.shape[0], w_ih.shape[0], w_hh.shape[1]
+    steps = int(lengths.sum()) if lengths is not None else B * x.shape[1]
+    kernels.flops.add(steps * gates, w_ih.shape[1], x, w_ih)
+    kernels.flops.add(B * gates, H, w_hh)
+    kernels.flops.add((steps - B) * gates, H, w_hh, w_ih)
     if lengths is None:  # all of one length
         return _torch_lstm(x, w_ih, w_hh, bias)
     T = x.shape[1]
