@@ -63,7 +63,8 @@ class FusedModule(nn.Module):
     """
 
     def _in_graph(self, g: Graph) -> tuple:
-        """This module's entry in `g`: (the module, its tag, its parameters' nodes by name).
+        """This module's entry in `g`: (the module, its tag, its parameters' nodes by name,
+        and a cache: a tuple of parameter names -> the list of their nodes).
 
         The graph keeps it, not the module: a closed graph is freed however long the module
         lives, and a copy of the module is a module of its own.
@@ -72,15 +73,18 @@ class FusedModule(nn.Module):
         if entry is None:
             nodes = {name: g.parameter_node(p) for name, p in self._parameters.items()
                      if p is not None}
-            entry = signatures.remember(g, self, nodes)
+            entry = signatures.remember(g, self, nodes, {})
         return entry
 
     def _fused(self, op: Op, inputs: Sequence[Operand], expect: tuple, params: Sequence[str],
                shape: tuple[int, ...], attr: object = None) -> Expression:
         """One node of `op` over `inputs` (whose shapes must be `expect`) and `params`."""
-        _, tag, table = self._in_graph(ops.graph_of(*inputs))
+        _, tag, table, lists = self._in_graph(ops.graph_of(*inputs))
+        nodes = lists.get(params)  # (a cell call would spend ~0.2 us building it again)
+        if nodes is None:
+            nodes = lists[params] = [table[name] for name in params]
         # One C call: inputs resolved and checked, signature (op.name, tag, shapes, attr).
-        return _core.fused(op, inputs, expect, tag, [table[name] for name in params], shape, attr)
+        return _core.fused(op, inputs, expect, tag, nodes, shape, attr)
 
 
 class State:
@@ -405,7 +409,7 @@ class LSTM(nn.Module):
             raise ShapeError(f"LSTM: the cell takes inputs of shape ({cell.input_size},), got "
                              f"{X.shape[1:]}")
         g = X.graph
-        _, tag, table = cell._in_graph(g)
+        _, tag, table, _ = cell._in_graph(g)
         n = len(xs)
         out = g.add(LSTM_LAYER, (X.id, table["weight_ih"], table["weight_hh"], table["bias"]),
                     (n, cell.hidden_size), ("lstm_layer", tag))
@@ -525,6 +529,9 @@ def _child_sum_kernel(xs, lengths, shape):
 
 TREE_LEAF = Op("tree_lstm_leaf", _tree_leaf_kernel)
 TREE_NARY = Op("tree_lstm_nary", _nary_kernel)
+# Its parameters, without and with the node's own input x.
+_NARY_PARAMS = {False: ("U_iou", "U_f", "b_iou", "b_f"),
+                True: ("U_iou", "U_f", "b_iou", "b_f", "W_iou")}
 # The children are the op's list: one batch whatever their number (0..k).
 CHILD_SUM_PARAMS = ("W_iou", "U_iou", "W_f", "U_f", "b_iou", "b_f")
 TREE_CHILD_SUM = ops.RaggedOp("tree_lstm_child_sum", _child_sum_kernel,
@@ -587,8 +594,7 @@ class TreeLSTMCell(FusedModule):
         else:
             if len(children) != self.arity:
                 raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
-            params = ("U_iou", "U_f", "b_iou", "b_f") + (("W_iou",) if x is not None else ())
-            out = self._fused(TREE_NARY, inputs, expect, params, (2 * H,),
+            out = self._fused(TREE_NARY, inputs, expect, _NARY_PARAMS[x is not None], (2 * H,),
                               (self.arity, x is not None))
         return State(out, H)
 
@@ -597,7 +603,7 @@ class TreeLSTMCell(FusedModule):
         parameters unkeyed, so that the signature (module, shape of x) leaves out their number."""
         H = self.hidden_size
         g = ops.graph_of(x, states)
-        _, tag, table = self._in_graph(g)
+        _, tag, table, _ = self._in_graph(g)
         for k, state in enumerate(states):
             if state.shape != (2 * H,):
                 raise ops.ShapeError(f"tree_lstm_child_sum: child {k} has [h; c] of shape "
