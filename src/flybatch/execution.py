@@ -105,8 +105,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
             _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
 
 
-def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read], indices: "_Indices",
-            pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
+def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
+                indices: "_Indices", pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
     """A pick batch whose input is rows of results of this forward, run as one index of each
     result (appended to graph.values): the element picked, not each node's whole input, is
     copied. False when its read needs the general path (a piece of a fan-out, an earlier

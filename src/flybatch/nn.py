@@ -294,7 +294,8 @@ def _lstm_layer_kernel(xs, attr, shape, lengths):
 LSTM_LAYER = Op("lstm_layer", _lstm_layer_kernel, padded=True)
 # Step t's h of a layer's result: `x[t]` of a sequence of any length, read in place (only the
 # row picked is copied, not each sequence's whole (n, H)).
-LSTM_STEP = Op("lstm_step", lambda xs, attr, shape, lengths=None: ops._pick_kernel(xs, attr, shape),
+LSTM_STEP = Op("lstm_step",
+               lambda xs, attr, shape, lengths=None: ops._pick_kernel(xs, attr, shape),
                per_node_attrs=True, cheap=True, padded=True, rule="pick", picks_from_input=True)
 _lstm_step = _core.Rule(LSTM_STEP)
 _TORCH_LSTM_KEY = re.compile(r"(weight_ih|weight_hh|bias_ih|bias_hh)_l(\d+)(_reverse)?")
