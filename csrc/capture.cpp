@@ -213,7 +213,7 @@ const char kAppendPlannedDoc[] =
     "appends it on a hit.";
 
 PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  try {
+  return guarded([&]() -> PyObject* {
     if (argc != 3 || !PyObject_TypeCheck(argv[0], &StoreType))
       raise(PyExc_TypeError, "append_planned(graph, plan, nodes: tuple)");
     check_open(reinterpret_cast<Store*>(argv[0]));
@@ -221,11 +221,7 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
     if (!PyDict_Check(node_dtypes.get()))
       raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
     return append_planned(argv[0], argv[1], argv[2], node_dtypes.get());
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
+  });
 }
 
 const char kTakeApartDoc[] =
@@ -237,7 +233,7 @@ const char kTakeApartDoc[] =
     "key, or a recipe of the handler's own).";
 
 PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  try {
+  return guarded([&]() -> PyObject* {
     if (argc < 4 || argc > 5 || !PyObject_TypeCheck(argv[0], &StoreType) ||
         !PyTuple_Check(argv[1]) || !(argv[2] == Py_None || PyDict_Check(argv[2])) ||
         !PyTuple_Check(argv[3]))
@@ -301,11 +297,7 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
                         operands_tuple.get(), params_tuple.get(), weight_tuple.get(),
                         key_tuple.get());
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
+  });
 }
 
 const char kConfigureDoc[] =
@@ -564,17 +556,13 @@ const char kTorchCallDoc[] =
 
 PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   OwnTimeScope own;  // recording a call is flybatch's part of the build
-  try {
+  return guarded([&]() -> PyObject* {
     if (argc != 3 || !PyDict_Check(argv[2]))
       raise(PyExc_TypeError, "torch_call(func, args, kwargs: dict)");
     if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");
     Owned args{PySequence_Tuple(argv[1])};
     return record(argv[0], args.get(), argv[2]);
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
+  });
 }
 
 const char kTorchFunctionDoc[] =
@@ -583,7 +571,7 @@ const char kTorchFunctionDoc[] =
     "call as it is (flybatch._core, capture.cpp).";
 
 PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyObject* kwnames) {
-  try {
+  return guarded([&]() -> PyObject* {
     // (func, types, args=(), kwargs=None), by position (as torch calls it) or by name.
     static const char* const names[] = {"func", "types", "args", "kwargs"};
     PyObject* given[4] = {};
@@ -614,11 +602,7 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
       }
     }
     return PyObject_Call(func, args.get(), kwargs);
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
+  });
 }
 
 PyMethodDef kTorchFunction = {

@@ -23,24 +23,8 @@ namespace {
 
 using flybatch::i64;
 
-// A Python exception is already set: unwind to the binding, which returns NULL.
-struct PythonError {};
-
-// Runs a binding's body, turning C++ exceptions into Python ones.
-template <class Body>
-PyObject* guarded(Body&& body) {
-  try {
-    return body();
-  } catch (const PythonError&) {
-  } catch (const std::invalid_argument& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
+using flybatch::guarded;
+using flybatch::PythonError;
 
 [[noreturn]] void fail(PyObject* type, const std::string& message) {
   PyErr_SetString(type, message.c_str());

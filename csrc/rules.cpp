@@ -68,15 +68,9 @@ enum Operator { kAdd, kSub, kMul, kDiv, kMatmul, kNeg, kPick, kSlice };
 
 // Every binding here creates nodes: its time is flybatch's part of the build (OwnTimeScope).
 template <class Body>
-PyObject* guarded(Body&& body) {
+PyObject* creating_nodes(Body&& body) {
   OwnTimeScope own;
-  try {
-    return body();
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
+  return guarded(std::forward<Body>(body));
 }
 
 struct Release {  // drops a reference at the end of a scope
@@ -656,7 +650,7 @@ std::size_t arity(Family family) {
 
 // Calls `rule` on positional operands (the list families take one sequence).
 PyObject* call_rule(Rule* rule, PyObject* const* argv, std::size_t argc, PyObject* const* extra) {
-  return guarded([&]() -> PyObject* {
+  return creating_nodes([&]() -> PyObject* {
     if (rule->family == Family::lookup) return lookup(rule, argv, argc);
     PyObject* const* operands = argv;
     std::size_t n = arity(rule->family);
@@ -1004,7 +998,7 @@ PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     PyErr_SetString(PyExc_TypeError, "fused(op, inputs, expect, tag, params, shape, attr)");
     return nullptr;
   }
-  return guarded([&]() -> PyObject* {
+  return creating_nodes([&]() -> PyObject* {
     PyObject* inputs = PySequence_Fast(argv[1], "fused: inputs must be a sequence");
     if (!inputs) throw PythonError{};
     Release r1{inputs};

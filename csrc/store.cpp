@@ -42,17 +42,6 @@ PyObject* g_is_grad_enabled = nullptr;  // torch.is_grad_enabled
 std::vector<PyObject*> g_ops;
 std::unordered_map<PyObject*, std::int32_t> g_op_codes;
 
-template <class Body>
-PyObject* guarded(Body&& body) {
-  try {
-    return body();
-  } catch (const PythonError&) {
-  } catch (const std::bad_alloc&) {
-    PyErr_NoMemory();
-  }
-  return nullptr;
-}
-
 i64 as_int(PyObject* x) {
   const long long v = PyLong_AsLongLong(x);
   if (v == -1 && PyErr_Occurred()) throw PythonError{};
@@ -845,11 +834,11 @@ PyObject* own_timed_getattro(PyObject* self, PyObject* name) {
   return PyObject_GetAttr(reinterpret_cast<OwnTimed*>(self)->function, name);
 }
 
-// The function's own __doc__, __name__, __qualname__ and __module__ (data descriptors, so they
-// win over the type's), and __wrapped__ (inspect.signature follows it).
-PyObject* own_timed_forward(PyObject* self, void* name) {
-  return PyObject_GetAttrString(reinterpret_cast<OwnTimed*>(self)->function,
-                                static_cast<const char*>(name));
+// The function's own __doc__ (a data descriptor, so that it wins over the type's doc; the
+// function's other attributes, __name__ and the rest, come through own_timed_getattro), and
+// __wrapped__ (inspect.signature follows it).
+PyObject* own_timed_doc(PyObject* self, void*) {
+  return PyObject_GetAttrString(reinterpret_cast<OwnTimed*>(self)->function, "__doc__");
 }
 
 PyObject* own_timed_wrapped(PyObject* self, void*) {
@@ -857,10 +846,7 @@ PyObject* own_timed_wrapped(PyObject* self, void*) {
 }
 
 PyGetSetDef kOwnTimedGetSet[] = {
-    {"__doc__", own_timed_forward, nullptr, nullptr, const_cast<char*>("__doc__")},
-    {"__name__", own_timed_forward, nullptr, nullptr, const_cast<char*>("__name__")},
-    {"__qualname__", own_timed_forward, nullptr, nullptr, const_cast<char*>("__qualname__")},
-    {"__module__", own_timed_forward, nullptr, nullptr, const_cast<char*>("__module__")},
+    {"__doc__", own_timed_doc, nullptr, nullptr, nullptr},
     {"__wrapped__", own_timed_wrapped, nullptr, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,6 +24,22 @@ using i64 = std::int64_t;
 struct PythonError {};
 
 [[noreturn]] void raise(PyObject* type, const char* format, ...);
+
+// Runs a binding's body, turning C++ exceptions into Python ones (the binding returns NULL).
+template <class Body>
+PyObject* guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const PythonError&) {
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
 
 // A new reference, or the Python error unwinds.
 inline PyObject* checked(PyObject* object) {
