@@ -12,6 +12,8 @@ against eager torch, and the errors of what cannot be recorded.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -666,6 +668,91 @@ def test_views_indexing_and_reductions_train_as_eagerly(strategy):
     items = [torch.randn(n, 2, IN, generator=gen) for n in (2, 3, 2, 4, 3)]
     eager, batched = check(model, lambda x: model(x) ** 2, items, strategy)
     assert batched.stats.batches * 3 < eager.ops
+
+
+# Sentence encoders over a whole instance at once: a sentence is [length, IN] word vectors.
+SENTENCE_LENGTHS = [3, 5, 2, 5, 3, 2, 2, 3, 5, 3, 5, 2]
+
+
+def sentences(lengths=SENTENCE_LENGTHS, seed=6):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, IN, generator=gen), k % CLASSES) for k, n in enumerate(lengths)]
+
+
+class ConvClassifier(nn.Module):
+    """Kim-style CNN: a convolution over time, max over time, a linear classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(IN, 6, kernel_size=3, padding=1)
+        self.out = nn.Linear(6, CLASSES)
+
+    def forward(self, words):                      # [length, IN]
+        x = words.t().unsqueeze(0)                 # [1, IN, length]: conv1d's batch of one
+        h = torch.relu(self.conv(x))               # [1, 6, length]
+        return self.out(torch.max(h, dim=2)[0])    # [1, CLASSES]
+
+
+class SelfAttentionClassifier(nn.Module):
+    """One scaled dot-product self-attention layer written by hand, residual and LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(IN, IN), nn.Linear(IN, IN), nn.Linear(IN, IN)
+        self.norm = nn.LayerNorm(IN)
+        self.out = nn.Linear(IN, CLASSES)
+
+    def forward(self, words):                      # [length, IN]
+        scores = self.q(words) @ self.k(words).transpose(-1, -2) / IN ** 0.5
+        h = self.norm(words + torch.softmax(scores, dim=-1) @ self.v(words))
+        return self.out(h.mean(0)).unsqueeze(0)
+
+
+class TorchAttentionClassifier(nn.Module):
+    """torch.nn's own attention modules, fed the [length, 1, IN] batch-of-one layout."""
+
+    def __init__(self, layer: bool):
+        super().__init__()
+        self.encode = nn.TransformerEncoderLayer(IN, 2, 8, dropout=0.0) if layer else \
+            nn.MultiheadAttention(IN, 2)
+        self.layer = layer
+        self.out = nn.Linear(IN, CLASSES)
+
+    def forward(self, words):
+        x = words.unsqueeze(1)
+        h = self.encode(x) if self.layer else self.encode(x, x, x)[0]
+        return self.out(h.squeeze(1).sum(0)).unsqueeze(0)
+
+
+ENCODERS = {"conv": ConvClassifier, "self-attention": SelfAttentionClassifier,
+            "multihead-attention": lambda: TorchAttentionClassifier(layer=False),
+            "transformer-layer": lambda: TorchAttentionClassifier(layer=True)}
+
+
+@pytest.mark.parametrize("encoder", ENCODERS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sentence_encoders_over_whole_sentences_train_as_eagerly(strategy, encoder):
+    model = seeded(ENCODERS[encoder]())
+
+    def loss_of(item):
+        words, label = item
+        return F.cross_entropy(model(words), torch.tensor([label]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no call may fall back to running on values
+        eager, batched = check(model, loss_of, sentences(), strategy)
+    # Ops over whole sentences batch sentences of one length (three lengths here): the
+    # bound, and far fewer launches than eager's ops.
+    if strategy == "agenda":
+        assert batched.stats.batches == batched.stats.lower_bound
+    assert batched.stats.batches * 3 < eager.ops
+
+
+def test_an_expression_describes_its_storage_as_a_dense_tensor_would():
+    with fb.Graph():
+        x = fb.input(torch.randn(2, 3)) * 1.0
+        assert not x.is_nested and not x.is_sparse and not x.is_quantized and not x.is_meta
+        assert x.is_cpu and not x.is_cuda
 
 
 def test_dropout_in_eval_mode_is_the_identity():

@@ -35,6 +35,7 @@ import math
 import numbers
 import threading
 import warnings
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -320,9 +321,11 @@ def _structure(result: Any) -> Any:
         return _DataDependent
     if isinstance(result, torch.Tensor):
         return (tuple(result.shape), result.dtype)
-    if isinstance(result, (list, tuple)) and result and \
-            all(isinstance(r, torch.Tensor) for r in result):
-        return [(tuple(r.shape), r.dtype) for r in result], type(result)
+    # (a None among tensors: an output not asked for, as MultiheadAttention's weights with
+    # need_weights=False)
+    if isinstance(result, (list, tuple)) and any(isinstance(r, torch.Tensor) for r in result) \
+            and all(isinstance(r, torch.Tensor) or r is None for r in result):
+        return [None if r is None else (tuple(r.shape), r.dtype) for r in result], type(result)
     return _DataDependent  # a Python value (a bool, a list of numbers): computed from values
 
 
@@ -332,7 +335,7 @@ def _wrap(g: Graph, structure: Any, make: Callable[[int, tuple, torch.dtype], Ex
         return make(0, *structure)
     outs, kind = structure
     # list, tuple, torch.return_types.* (values, indices) and other struct sequences
-    return kind([make(k, s, d) for k, (s, d) in enumerate(outs)])
+    return kind([None if out is None else make(k, *out) for k, out in enumerate(outs)])
 
 
 def _node(g: Graph, op: Op, nodes, shape: tuple, key: tuple, attr: Any,
@@ -1525,6 +1528,22 @@ _PROPERTIES = {
     "is_cuda": property(lambda self: (self.graph.device or torch.device("cpu")).type == "cuda"),
     "layout": property(lambda self: torch.strided),
 }
+
+
+def _described_like_a_tensor(name: str) -> property:
+    """`is_cpu`, `is_nested`, `is_sparse`, ...: what an expression's value, a dense tensor on
+    the graph's device, would say (library code such as nn.MultiheadAttention branches on them
+    before it computes anything)."""
+    def read(self):
+        template = torch.empty(0, dtype=self.graph.dtype_of(self.id),
+                               device=self.graph.device or torch.device("cpu"))
+        return getattr(template, name)
+    return property(read)
+
+
+_PROPERTIES.update({name: _described_like_a_tensor(name) for name in dir(T)
+                    if name.startswith("is_") and name not in _PROPERTIES
+                    and isinstance(getattr(T, name), types.GetSetDescriptorType)})
 _OWN = {
     "size": _size, "dim": lambda self: len(self.shape), "ndimension": lambda self: len(self.shape),
     "numel": lambda self: math.prod(self.shape), "nelement": lambda self: math.prod(self.shape),
