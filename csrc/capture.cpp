@@ -330,7 +330,9 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 //   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs;
 //   * a name in capture._DESCRIBE or capture._REBINDS: runs, and a rebind (a name in _REBINDS,
 //     or `__set__` of an attribute in _REBOUND_ATTRIBUTES) first makes the live graphs forget
-//     its tensor (capture._forget);
+//     its tensor (capture._forget); but a name in capture._READS_VALUE (`item`, `tolist`,
+//     `__repr__`, `detach`...) on a tensor shadowed in the current graph is recorded: the
+//     tensor's own storage still holds what it held before the graph wrote into it;
 //   * otherwise recorded if a tensor among the arguments (positional, one level into a list or
 //     tuple, keyword) is shadowed in the current graph (Graph.shadows, by id), or is a leaf
 //     parameter that requires grad, unless the call writes in place or an optimizer's step runs
@@ -338,6 +340,7 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 // A recorded call goes to torch_call(func, args, kwargs) (below); any other runs as
 // func(*args, **kwargs) (torch has taken the mode off its stack while we run).
 PyObject* g_describe = nullptr;         // capture._DESCRIBE (a frozenset of names)
+PyObject* g_reads_value = nullptr;      // capture._READS_VALUE (names of _DESCRIBE)
 PyObject* g_rebinds = nullptr;          // capture._REBINDS
 PyObject* g_recorded_properties = nullptr;  // capture._RECORDED_PROPERTIES
 PyObject* g_rebound_attributes = nullptr;   // capture._REBOUND_ATTRIBUTES
@@ -392,6 +395,7 @@ bool is_tensor(PyObject* x) {
 // `torch.tensor([3])`, have none).
 struct Scan {
   bool inplace = false;         // the call writes into its first argument
+  bool shadows_only = false;    // only a shadowed tensor makes the call recorded
   bool ready = false;
   PyObject* shadows = nullptr;  // owned: the current open graph's non-empty dict, or NULL
   bool params = false;          // parameters are recorded (no optimizer step runs)
@@ -428,7 +432,7 @@ struct Scan {
     // A parameter (a leaf that requires grad): recorded, so its uses batch. A computed tensor
     // with grad (a value the graph returned, an eager result) runs eagerly, which is exactly
     // right, and a peek like `value.detach()` stays a tensor.
-    if (!params || inplace) return false;
+    if (!params || inplace || shadows_only) return false;
     if (!truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get())) return false;
     return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
   }
@@ -478,6 +482,13 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
     if (!contains(g_recorded_properties, owner.get())) return false;
   } else {
     const bool rebinds = contains(g_rebinds, name.get());
+    if (!rebinds && contains(g_reads_value, name.get())) {
+      Scan scan{};
+      scan.shadows_only = true;
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
+        if (scan.any(PyTuple_GET_ITEM(args, i))) return true;
+      return false;
+    }
     if (rebinds || contains(g_describe, name.get())) {
       bool forget = rebinds;
       if (!forget && name_is(name.get(), "__set__")) {
@@ -611,24 +622,26 @@ PyMethodDef kTorchFunction = {
     METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
 
 const char kConfigureFrontDoc[] =
-    "configure_front(mode_class, describe, rebinds, recorded_properties, "
+    "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
     "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
-    "capture._DESCRIBE, _REBINDS, "
+    "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
     "_HANDLERS, _refuse_inplace, _unhandled.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
-  PyObject *mode_class, *describe, *rebinds, *recorded, *rebound, *forget, *current, *thread,
-      *handlers, *refuse_inplace, *unhandled;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
-                        &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &rebinds,
+  PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
+      *current, *thread, *handlers, *refuse_inplace, *unhandled;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
+                        &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &reads_value,
+                        &PyFrozenSet_Type, &rebinds,
                         &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
                         &refuse_inplace, &unhandled))
     return nullptr;
   Py_XSETREF(g_describe, Py_NewRef(describe));
+  Py_XSETREF(g_reads_value, Py_NewRef(reads_value));
   Py_XSETREF(g_rebinds, Py_NewRef(rebinds));
   Py_XSETREF(g_recorded_properties, Py_NewRef(recorded));
   Py_XSETREF(g_rebound_attributes, Py_NewRef(rebound));

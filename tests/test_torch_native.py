@@ -1020,6 +1020,52 @@ def test_item_assignment_into_an_expression_raises():
             x[0] = 1.0
 
 
+def test_a_plain_tensor_the_graph_wrote_into_reads_its_new_values():
+    # `outputs[t] = h`, the tutorials' way of collecting encoder states: the tensor's own
+    # storage does not hold the expressions written into it, so every value read of it (print,
+    # tolist, item, detach, iteration) must see what the graph computed, as eager torch does.
+    proj = seeded(nn.Linear(3, 3))
+    x0 = torch.randn(3)
+
+    def fill():
+        h = torch.zeros(2, 3)
+        h[0] = proj(x0)
+        h[1, :2] = proj(x0)[1:] * 2
+        return h
+
+    want = fill().detach()
+    with fb.Graph():
+        h = fill()
+        assert h.tolist() == want.tolist()
+        assert h[1, 1].item() == want[1, 1].item()
+        assert h.detach().tolist() == want.tolist()
+        assert [row.tolist() for row in h] == want.tolist()
+        assert f"{want[0, 0].item():.4f}" in repr(h)
+        assert h.size() == (2, 3) and h.dim() == 2  # what describes it runs as it is
+
+
+def test_a_class_index_out_of_range_raises_at_the_loss_call():
+    logits = seeded(nn.Linear(IN, CLASSES))
+    with fb.Graph():
+        scores = logits(torch.randn(1, IN))
+        with pytest.raises(IndexError, match=r"F.cross_entropy: target 3 is out of bounds.*\(1, 3\)"):
+            F.cross_entropy(scores, torch.tensor([CLASSES]))
+        with pytest.raises(IndexError, match="F.nll_loss: target -2"):
+            F.nll_loss(F.log_softmax(scores, 1), torch.tensor([-2]))
+        # ignore_index is not a class, and is not out of range
+        loss = F.cross_entropy(scores.expand(2, CLASSES), torch.tensor([1, -100]))
+        assert loss.item() == pytest.approx(
+            F.cross_entropy(scores.value().detach(), torch.tensor([1])).item(), abs=ATOL)
+
+
+def test_autograd_grad_of_an_expression_raises_a_clear_error():
+    w = nn.Parameter(torch.randn(3))
+    with fb.Graph():
+        y = (w * 2.0).sum()
+        with pytest.raises(TypeError, match="torch.autograd.grad of flybatch expressions"):
+            torch.autograd.grad(y, w)
+
+
 def test_detach_stops_the_gradient():
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     with fb.Graph():

@@ -95,6 +95,12 @@ _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride 
     type float double half bfloat16 pin_memory share_memory_ __reduce__""".split())
 # (detach / to / cpu... of a parameter itself: `state_dict()`, `model.to(...)`, checkpointing
 # inside a graph block work on the tensors, as they must; on an expression they are recorded.)
+# Those of them that read a tensor's values are recorded on a plain tensor the graph has
+# written into (`h[0] = x`, Graph.shadows): its storage does not hold what it now stands for.
+_READS_VALUE = frozenset("""__repr__ __format__ __bool__ __int__ __float__ __index__ item tolist
+    numpy __reduce_ex__ __deepcopy__ __getstate__ __dlpack__ __array__ __contains__ __iter__
+    detach to cpu cuda type float double half bfloat16 pin_memory __reduce__""".split())
+assert _READS_VALUE <= _DESCRIBE
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
 # Calls that rebind what the graph's rules remember of a tensor without asking it again
 # (whether it is a parameter, an embedding table's size; `Store.forget`). They run as they are.
@@ -425,7 +431,8 @@ _warned: set = set()
 def _on_values(func: Callable, call: _Call) -> Any:
     """Run `func` on the operands' values (a forward, or a round of map_batched): for output
     shapes that depend on values and Python results. The result keeps its autograd history."""
-    if func not in _warned:
+    # (a value read such as `.tolist()` of a tensor the graph wrote into asks for values)
+    if func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
         _warned.add(func)
         warnings.warn(f"{_name(func)} on flybatch expressions depends on their values: it runs "
                       "on the values (a forward per call, not batched)", stacklevel=4)
@@ -1126,9 +1133,38 @@ def _loss(func: Callable, n_inputs: int):
         return label, fn, shape, dtype, shared, False
 
     def handler(*args, **kwargs):
+        if weighted:
+            _check_classes(label, args, kwargs)
         return _record(handler, args, kwargs, build)
 
     return handler
+
+
+def _check_classes(label: str, args: tuple, kwargs: dict) -> None:
+    """A class index out of range raises here, at the call, as it does eagerly (in the batched
+    kernel it would surface at the next value request). Targets that are expressions are
+    checked by the kernel."""
+    x = args[0] if args else kwargs.get("input")
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    if not isinstance(target, torch.Tensor) or isinstance(target, Expression) or \
+            target.is_floating_point() or x is None or len(x.shape) not in (1, 2):
+        return
+    classes = x.shape[-1]
+    ignore = kwargs.get("ignore_index", args[4] if len(args) > 4 else -100)
+    with torch._C.DisableTorchFunction():
+        if target.numel() == 1:
+            low = high = int(target)
+        elif target.numel() == 0:
+            return
+        else:
+            kept = target[target != ignore]
+            if kept.numel() == 0:
+                return
+            low, high = int(kept.min()), int(kept.max())
+    for bad in (low, high):
+        if bad != ignore and not 0 <= bad < classes:
+            raise IndexError(f"F.{label}: target {bad} is out of bounds for input of shape "
+                             f"{tuple(x.shape)} ({classes} classes)")
 
 
 def _loss_from_slots(func, weighted, slots, weight_slot, reduction, options, batch):
@@ -1339,7 +1375,7 @@ def _hidden_of(states, lstm):
 
 _HANDLERS: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
-_core.configure_front(_Capture, _DESCRIBE, _REBINDS, _RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES,
+_core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES,
                       _forget, _current, _thread, _HANDLERS, _refuse_inplace, _unhandled)
 
 
@@ -1610,3 +1646,18 @@ def _install() -> None:
 
 
 _install()
+
+
+def _autograd_grad(*args, **kwargs):
+    """Eager torch.autograd.grad of eager tensors (a parameter among them) runs as it is."""
+    given = list(args) + list(kwargs.values())
+    flat = [x for a in given for x in (a if isinstance(a, (list, tuple)) else (a,))]
+    if not any(isinstance(x, Expression) for x in flat):
+        with torch._C.DisableTorchFunction():
+            return torch.autograd.grad(*args, **kwargs)
+    raise TypeError("torch.autograd.grad of flybatch expressions is not supported: call "
+                    ".backward() on the loss and read the parameters' .grad (gradients of "
+                    "gradients, such as a gradient penalty, are not recorded)")
+
+
+_register((torch.autograd.grad,), _autograd_grad)
