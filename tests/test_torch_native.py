@@ -1048,7 +1048,8 @@ def test_a_class_index_out_of_range_raises_at_the_loss_call():
     logits = seeded(nn.Linear(IN, CLASSES))
     with fb.Graph():
         scores = logits(torch.randn(1, IN))
-        with pytest.raises(IndexError, match=r"F.cross_entropy: target 3 is out of bounds.*\(1, 3\)"):
+        with pytest.raises(IndexError,
+                           match=r"F.cross_entropy: target 3 is out of bounds.*\(1, 3\)"):
             F.cross_entropy(scores, torch.tensor([CLASSES]))
         with pytest.raises(IndexError, match="F.nll_loss: target -2"):
             F.nll_loss(F.log_softmax(scores, 1), torch.tensor([-2]))

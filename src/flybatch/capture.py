@@ -1375,8 +1375,9 @@ def _hidden_of(states, lstm):
 
 _HANDLERS: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
-_core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES,
-                      _forget, _current, _thread, _HANDLERS, _refuse_inplace, _unhandled)
+_core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
+                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
+                      _refuse_inplace, _unhandled)
 
 
 def _register(funcs, handler) -> None:
