@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
-from . import _core, kernels, ops
+from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
 from .graph import (_INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph,
                     live_graphs)
@@ -1283,6 +1283,12 @@ def _rnn(gates: int):
         g = input.graph
         if batch_first:
             input = input.transpose(0, 1)  # (length, rows, features)
+        if not (dropout and train and num_layers > 1):  # (dropout between layers: unrolled)
+            fused = packed_rnn.layers(lstm, input, _initial_states(g, hx, lstm), params,
+                                      has_biases, num_layers, bidirectional, train)
+            if fused is not None:
+                output, *finals = fused
+                return (output.transpose(0, 1) if batch_first else output, *finals)
         length, rows = input.shape[0], input.shape[1]
         directions = 2 if bidirectional else 1
         per_layer = 4 if has_biases else 2
@@ -1325,6 +1331,20 @@ def _rnn(gates: int):
         return output, h_n
 
     return handler
+
+
+def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | None:
+    """The initial states of a captured `torch.lstm` / `torch.gru` as expressions, or None when
+    they are plain tensors of zeros (nn.LSTM's default): the layer then starts from zeros
+    without reading a copy of them per instance."""
+    states = tuple(hx) if lstm else (hx,)
+    if all(type(s) is torch.Tensor and id(s) not in g.shadows and not s.requires_grad
+           for s in states):
+        with torch._C.DisableTorchFunction():
+            if not any(bool(s.any()) for s in states):
+                return None
+    return tuple(s if isinstance(s, Expression) else Expression(g, node_of_tensor(g, s))
+                 for s in states)
 
 
 def _hidden_of(states, lstm):
