@@ -1250,11 +1250,13 @@ def _gru_step_batched(has_bias, batch):
 
 
 def _rnn(gates: int):
-    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence,
-    unrolled into one cell node per step, layer and direction: step t of every instance runs
-    as one batched cell whatever the lengths. Step inputs are picks of the sequence (`x[t]`,
-    the index per node, so they batch across steps too); an LSTM carries its state packed as
-    [h; c] and slices h out only where a layer's output is read."""
+    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence:
+    one node per layer whose kernel runs every instance's sequence as one packed sequence
+    (`packed_rnn`). Where that is not exact (rows > 1 per instance, dropout between layers in
+    training), unrolled into one cell node per step, layer and direction: step t of every
+    instance runs as one batched cell whatever the lengths. Step inputs are picks of the
+    sequence (`x[t]`, the index per node, so they batch across steps too); an LSTM carries its
+    state packed as [h; c] and slices h out only where a layer's output is read."""
     lstm = gates == 4
 
     def step():  # the plans' key for one step node (see `_record`)
@@ -1277,6 +1279,11 @@ def _rnn(gates: int):
         if not isinstance(input, (Expression, torch.Tensor)) or len(input.shape) != 3 \
                 or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
+        per_direction = len(params) // (num_layers * (2 if bidirectional else 1))
+        if per_direction != (4 if has_biases else 2):
+            raise ValueError(f"torch.{'lstm' if lstm else 'gru'}: {per_direction} weights per "
+                             f"layer and direction (an nn.LSTM with proj_size?); flybatch "
+                             f"records {4 if has_biases else 2}, without projections")
         if not isinstance(input, Expression):  # a plain sequence into the module's parameters
             g = current_graph()
             input = Expression(g, node_of_tensor(g, input))

@@ -109,17 +109,14 @@ def layers(lstm: bool, x: Expression, states: tuple[Expression, ...] | None,
     """`torch.lstm` / `torch.gru` of one instance's sequence `x` (T, 1, I) from `states` (h0
     [and c0], each (layers * dirs, 1, H); None: zeros), as one node per layer: torch's
     `(output, h_n[, c_n])`. None where the call is not one this computes exactly as torch does
-    (more than one row per instance, projections, weights that are not parameters): the
-    caller then unrolls it."""
+    (more than one row per instance, weights that are not parameters): the caller then
+    unrolls it."""
     g = x.graph
     dirs, per_layer = 2 if bidirectional else 1, 4 if has_biases else 2
     T, rows = x.shape[0], x.shape[1]
-    if rows != 1 or T == 0 or len(params) != num_layers * dirs * per_layer \
-            or not all(p.is_leaf for p in params):
+    if rows != 1 or T == 0 or not all(p.is_leaf for p in params):
         return None
     H = params[1].shape[1]
-    if params[1].shape[0] != (4 if lstm else 3) * H:
-        return None
     if states is not None and any(s.shape != (num_layers * dirs, 1, H) for s in states):
         return None
     S, W = (2 if lstm else 1), dirs * H
