@@ -24,7 +24,7 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from . import _core, kernels, ops, signatures
-from .graph import Expression, Graph, Op
+from .graph import Expression, Op
 
 
 def _directions_first(state: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,8 @@ def _output_kernel(xs, attr, shape, lengths):
 LAYER = Op("packed_rnn", _layer_kernel, padded=True)
 OUTPUT = Op("rnn_output", _output_kernel, padded=True, cheap=True)
 # Row i of a layer's result, read in place: its final states (`x[T]`, `x[T + 1]`).
-STATE_ROW = Op("rnn_state", lambda xs, attr, shape, lengths=None: ops._pick_kernel(xs, attr, shape),
+STATE_ROW = Op("rnn_state",
+               lambda xs, attr, shape, lengths=None: ops._pick_kernel(xs, attr, shape),
                per_node_attrs=True, cheap=True, padded=True, rule="pick", picks_from_input=True)
 _state_row = _core.Rule(STATE_ROW)
 
