@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
-from . import _core, kernels, ops
+from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
 from .graph import (_INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph,
                     live_graphs)
@@ -1289,11 +1289,13 @@ def _gru_step_batched(has_bias, batch):
 
 
 def _rnn(gates: int):
-    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence,
-    unrolled into one cell node per step, layer and direction: step t of every instance runs
-    as one batched cell whatever the lengths. Step inputs are picks of the sequence (`x[t]`,
-    the index per node, so they batch across steps too); an LSTM carries its state packed as
-    [h; c] and slices h out only where a layer's output is read."""
+    """torch.lstm / torch.gru (what nn.LSTM and nn.GRU call) over one instance's sequence:
+    one node per layer whose kernel runs every instance's sequence as one packed sequence
+    (`packed_rnn`). Where that is not exact (rows > 1 per instance, dropout between layers in
+    training), unrolled into one cell node per step, layer and direction: step t of every
+    instance runs as one batched cell whatever the lengths. Step inputs are picks of the
+    sequence (`x[t]`, the index per node, so they batch across steps too); an LSTM carries its
+    state packed as [h; c] and slices h out only where a layer's output is read."""
     lstm = gates == 4
 
     def step():  # the plans' key for one step node (see `_record`)
@@ -1316,12 +1318,23 @@ def _rnn(gates: int):
         if not isinstance(input, (Expression, torch.Tensor)) or len(input.shape) != 3 \
                 or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
+        per_direction = len(params) // (num_layers * (2 if bidirectional else 1))
+        if per_direction != (4 if has_biases else 2):
+            raise ValueError(f"torch.{'lstm' if lstm else 'gru'}: {per_direction} weights per "
+                             f"layer and direction (an nn.LSTM with proj_size?); flybatch "
+                             f"records {4 if has_biases else 2}, without projections")
         if not isinstance(input, Expression):  # a plain sequence into the module's parameters
             g = current_graph()
             input = Expression(g, node_of_tensor(g, input))
         g = input.graph
         if batch_first:
             input = input.transpose(0, 1)  # (length, rows, features)
+        if not (dropout and train and num_layers > 1):  # (dropout between layers: unrolled)
+            fused = packed_rnn.layers(lstm, input, _initial_states(g, hx, lstm), params,
+                                      has_biases, num_layers, bidirectional, train)
+            if fused is not None:
+                output, *finals = fused
+                return (output.transpose(0, 1) if batch_first else output, *finals)
         length, rows = input.shape[0], input.shape[1]
         directions = 2 if bidirectional else 1
         per_layer = 4 if has_biases else 2
@@ -1364,6 +1377,20 @@ def _rnn(gates: int):
         return output, h_n
 
     return handler
+
+
+def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | None:
+    """The initial states of a captured `torch.lstm` / `torch.gru` as expressions, or None when
+    they are plain tensors of zeros (nn.LSTM's default): the layer then starts from zeros
+    without reading a copy of them per instance."""
+    states = tuple(hx) if lstm else (hx,)
+    if all(type(s) is torch.Tensor and id(s) not in g.shadows and not s.requires_grad
+           for s in states):
+        with torch._C.DisableTorchFunction():
+            if not any(bool(s.any()) for s in states):
+                return None
+    return tuple(s if isinstance(s, Expression) else Expression(g, node_of_tensor(g, s))
+                 for s in states)
 
 
 def _hidden_of(states, lstm):
