@@ -52,6 +52,7 @@ struct Rule {
   PyObject* alt_op;
   PyObject* name;     // op.name
   PyObject* doc;
+  PyObject* lists;    // what a list or tuple of operands is given to (a Python function), or NULL
   const char* cname;
   bool ragged;        // list: the key leaves out the number of inputs
   bool padded;        // the key leaves out the leading dim of the first input (its length)
@@ -724,6 +725,8 @@ PyObject* rule_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, 
       PyErr_Format(PyExc_TypeError, "%s() missing required argument %zu", rule->cname, i + 1);
       return nullptr;
     }
+  if (rule->lists && (PyList_Check(full[0]) || PyTuple_Check(full[0])))
+    return creating_nodes([&] { return PyObject_Vectorcall(rule->lists, full, total, nullptr); });
   const std::size_t operands = rule->family == Family::lookup ? 0 : arity(rule->family);
   return call_rule(rule, full, total, full + operands);
 }
@@ -741,10 +744,10 @@ bool family_of(const char* name, Family* out) {
 }
 
 PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"op", "positional", "doc", nullptr};
-  PyObject *op, *alt = Py_None, *doc = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:Rule", const_cast<char**>(names), &op, &alt,
-                                   &doc))
+  static const char* names[] = {"op", "positional", "doc", "lists", nullptr};
+  PyObject *op, *alt = Py_None, *doc = Py_None, *lists = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOO:Rule", const_cast<char**>(names), &op,
+                                   &alt, &doc, &lists))
     return nullptr;
   PyObject* family_name = PyObject_GetAttrString(op, "rule");
   PyObject* name = family_name ? PyObject_GetAttrString(op, "name") : nullptr;
@@ -777,6 +780,7 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   rule->alt = op_code(rule->alt_op);
   rule->name = name;
   rule->doc = Py_NewRef(doc);
+  rule->lists = lists == Py_None ? nullptr : Py_NewRef(lists);
   rule->cname = PyUnicode_AsUTF8(name);
   rule->ragged = PyObject_IsTrue(ragged) == 1;
   rule->padded = PyObject_IsTrue(padded) == 1;
@@ -791,6 +795,7 @@ void rule_dealloc(PyObject* self) {
   Py_XDECREF(rule->alt_op);
   Py_XDECREF(rule->name);
   Py_XDECREF(rule->doc);
+  Py_XDECREF(rule->lists);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -815,9 +820,10 @@ PyTypeObject RuleType = [] {
   t.tp_call = PyVectorcall_Call;
   t.tp_repr = rule_repr;
   t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  t.tp_doc = "Rule(op, positional=None, doc=None): calling it creates a node of `op` (an Op\n"
-             "whose `rule` names a family of rules.cpp); `positional`: concat's op for shapes\n"
-             "that cannot be stacked.";
+  t.tp_doc = "Rule(op, positional=None, doc=None, lists=None): calling it creates a node of\n"
+             "`op` (an Op whose `rule` names a family of rules.cpp); `positional`: concat's op\n"
+             "for shapes that cannot be stacked; `lists`: the function that a call whose first\n"
+             "operand is a list or tuple (of scalars) goes to, with the same arguments.";
   t.tp_members = kRuleMembers;
   t.tp_new = rule_new;
   return t;
@@ -1362,7 +1368,8 @@ bool register_rules(PyObject* module) {
          PyType_Ready(&StateType) == 0 && PyType_Ready(&FusedSpecType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddObjectRef(module, "State", reinterpret_cast<PyObject*>(&StateType)) == 0 &&
-         PyModule_AddObjectRef(module, "FusedSpec", reinterpret_cast<PyObject*>(&FusedSpecType)) == 0 &&
+         PyModule_AddObjectRef(module, "FusedSpec",
+                               reinterpret_cast<PyObject*>(&FusedSpecType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }
 
