@@ -1110,7 +1110,7 @@ PyObject* spec_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *op, *params, *expect, *shape, *attr = Py_None, *child_shape = Py_None,
                                           *state = Py_None;
   Py_ssize_t states = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!|O$nOO:FusedSpec",
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!|OnOO:FusedSpec",
                                    const_cast<char**>(names), &op, &PyTuple_Type, &params,
                                    &PyTuple_Type, &expect, &PyTuple_Type, &shape, &attr, &states,
                                    &child_shape, &state))
@@ -1191,7 +1191,7 @@ PyTypeObject FusedSpecType = [] {
   t.tp_members = kSpecMembers;
   t.tp_new = spec_new;
   t.tp_doc =
-      "FusedSpec(op, params, expect, shape, attr=None, *, states=0, child_shape=None,\n"
+      "FusedSpec(op, params, expect, shape, attr=None, states=0, child_shape=None,\n"
       "          state=None)\n\n"
       "One kind of node of a fused module: `op` over inputs of shapes `expect` and the module's\n"
       "parameters named `params`, of shape `shape`; batched by the module's tag, the input\n"
