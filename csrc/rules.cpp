@@ -52,6 +52,7 @@ struct Rule {
   PyObject* alt_op;
   PyObject* name;     // op.name
   PyObject* doc;
+  PyObject* lists;    // what a list or tuple of operands is given to (a Python function), or NULL
   const char* cname;
   bool ragged;        // list: the key leaves out the number of inputs
   bool padded;        // the key leaves out the leading dim of the first input (its length)
@@ -724,6 +725,8 @@ PyObject* rule_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, 
       PyErr_Format(PyExc_TypeError, "%s() missing required argument %zu", rule->cname, i + 1);
       return nullptr;
     }
+  if (rule->lists && (PyList_Check(full[0]) || PyTuple_Check(full[0])))
+    return creating_nodes([&] { return PyObject_Vectorcall(rule->lists, full, total, nullptr); });
   const std::size_t operands = rule->family == Family::lookup ? 0 : arity(rule->family);
   return call_rule(rule, full, total, full + operands);
 }
@@ -741,10 +744,10 @@ bool family_of(const char* name, Family* out) {
 }
 
 PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* names[] = {"op", "positional", "doc", nullptr};
-  PyObject *op, *alt = Py_None, *doc = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:Rule", const_cast<char**>(names), &op, &alt,
-                                   &doc))
+  static const char* names[] = {"op", "positional", "doc", "lists", nullptr};
+  PyObject *op, *alt = Py_None, *doc = Py_None, *lists = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OOO:Rule", const_cast<char**>(names), &op,
+                                   &alt, &doc, &lists))
     return nullptr;
   PyObject* family_name = PyObject_GetAttrString(op, "rule");
   PyObject* name = family_name ? PyObject_GetAttrString(op, "name") : nullptr;
@@ -777,6 +780,7 @@ PyObject* rule_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   rule->alt = op_code(rule->alt_op);
   rule->name = name;
   rule->doc = Py_NewRef(doc);
+  rule->lists = lists == Py_None ? nullptr : Py_NewRef(lists);
   rule->cname = PyUnicode_AsUTF8(name);
   rule->ragged = PyObject_IsTrue(ragged) == 1;
   rule->padded = PyObject_IsTrue(padded) == 1;
@@ -791,6 +795,7 @@ void rule_dealloc(PyObject* self) {
   Py_XDECREF(rule->alt_op);
   Py_XDECREF(rule->name);
   Py_XDECREF(rule->doc);
+  Py_XDECREF(rule->lists);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -815,9 +820,10 @@ PyTypeObject RuleType = [] {
   t.tp_call = PyVectorcall_Call;
   t.tp_repr = rule_repr;
   t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
-  t.tp_doc = "Rule(op, positional=None, doc=None): calling it creates a node of `op` (an Op\n"
-             "whose `rule` names a family of rules.cpp); `positional`: concat's op for shapes\n"
-             "that cannot be stacked.";
+  t.tp_doc = "Rule(op, positional=None, doc=None, lists=None): calling it creates a node of\n"
+             "`op` (an Op whose `rule` names a family of rules.cpp); `positional`: concat's op\n"
+             "for shapes that cannot be stacked; `lists`: the function that a call whose first\n"
+             "operand is a list or tuple (of scalars) goes to, with the same arguments.";
   t.tp_members = kRuleMembers;
   t.tp_new = rule_new;
   return t;
@@ -911,70 +917,6 @@ PyObject* set_operators(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// ---- fused-module nodes ------------------------------------------------------------------------
-// One node of a fused module's `op` (named `name`): inputs args[0..n), whose shapes must be
-// `expect`, then parameter nodes args[n..total); batched by the module's `tag` (("P", k)), the
-// input shapes and `attr`.
-PyObject* fused_node(Store* g, PyObject* op, PyObject* name, const i64* args, std::size_t n,
-                     std::size_t total, PyObject* expect, PyObject* tag, const i64* dims,
-                     std::size_t nd, PyObject* attr) {
-  PyObject* shapes = shapes_tuple(g, args, n);
-  Release r1{shapes};
-  const int equal = PyObject_RichCompareBool(shapes, expect, Py_EQ);
-  if (equal < 0) throw PythonError{};
-  for (std::size_t k = 0; !equal && k < n; ++k) {
-    PyObject* want = PySequence_GetItem(expect, static_cast<Py_ssize_t>(k));
-    if (!want) throw PythonError{};
-    Release r2{want};
-    const int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(shapes, k), want, Py_EQ);
-    if (same == 0)
-      PyErr_Format(g_shape_error, "%U: argument %zu has shape %R, expected %R", name, k,
-                   PyTuple_GET_ITEM(shapes, k), want);
-    if (same <= 0) throw PythonError{};
-  }
-  const bool no_grad = !grad_enabled();
-  auto python_key = [&] { return Py_BuildValue("(OOOO)", name, tag, shapes, attr); };
-  i64 sig;
-  // The usual attrs (None, an int, a tuple of ints or bools: arities, flags) key as ints.
-  const bool tuple = PyTuple_CheckExact(attr) && PyTuple_GET_SIZE(attr) > 0;
-  bool ints = attr == Py_None || (PyLong_CheckExact(attr) && PyLong_AsLongLong(attr) >= 0) || tuple;
-  for (Py_ssize_t i = 0; tuple && i < PyTuple_GET_SIZE(attr); ++i)
-    ints = ints && PyLong_Check(PyTuple_GET_ITEM(attr, i));
-  if (PyErr_Occurred()) PyErr_Clear();  // an int too large for the key: the Python key below
-  if (ints) {
-    Key key;
-    key.push(op_code(op));
-    key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
-    if (tuple) {  // its length, then its items (a bool keys as 0 or 1, as it hashes)
-      key.push(-2 - PyTuple_GET_SIZE(attr));
-      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attr); ++i)
-        key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(attr, i)));
-    } else {
-      key.push(attr == Py_None ? -1 : PyLong_AsLongLong(attr));  // arities are >= 0
-    }
-    for (std::size_t i = 0; i < n; ++i) key.push(g->nodes->shape[args[i]]);
-    key.push(no_grad);
-    if (PyErr_Occurred()) throw PythonError{};
-    sig = signature(g, key, no_grad, [&] {
-      PyObject* k = python_key();
-      if (!k) throw PythonError{};
-      return k;
-    });
-  } else {
-    PyObject* key = python_key();
-    if (!key) throw PythonError{};
-    Release r3{key};
-    if (no_grad) {
-      key = Py_BuildValue("(sO)", "no_grad", key);
-      if (!key) throw PythonError{};
-    }
-    Release r4{no_grad ? key : nullptr};
-    sig = python_sig(g, key);
-  }
-  check_open(g);
-  return append(g, op_code(op), args, total, intern_shape(g, dims, nd), sig, attr, no_grad);
-}
-
 std::vector<i64> int_list(PyObject* seq, const char* what) {
   PyObject* fast = PySequence_Fast(seq, what);
   if (!fast) throw PythonError{};
@@ -987,33 +929,406 @@ std::vector<i64> int_list(PyObject* seq, const char* what) {
   return out;
 }
 
+
+// ---- fused-module nodes ------------------------------------------------------------------------
+// A fused module (nn.py: LSTMCell, GRUCell, TreeLSTMCell) describes each kind of node it makes
+// once, as a FusedSpec: the op, the parameters it reads, the shapes its inputs must have, its
+// output shape and attr. A call is then ONE C entry, `fused(module, spec, inputs)`: children
+// States unwrapped, the module's parameter nodes found in the graph's entry for it, shapes
+// checked as ints, the signature (op, module tag, attr, input shapes) interned, the node
+// appended and, for a recurrent cell, wrapped in a State. Nothing of it allocates a Python
+// object per call but the handles it returns.
+
+// The node a state's `h` or `c` reads: rows [start, start + hidden) of its `[h; c]`, made on
+// first use, as `fb.slice_rows(hc, start, start + hidden)` makes it.
+struct StateObject {
+  PyObject_HEAD
+  PyObject* hc;  // the Expression [h; c]
+  Py_ssize_t hidden;
+  PyObject* half[2];  // the h and c nodes, NULL until read
+};
+
+PyObject* state_half(PyObject* self, void* which) {
+  StateObject* s = reinterpret_cast<StateObject*>(self);
+  PyObject*& half = s->half[which ? 1 : 0];
+  if (half) return Py_NewRef(half);
+  PyObject* start = PyLong_FromSsize_t(which ? s->hidden : 0);
+  PyObject* stop = start ? PyLong_FromSsize_t((which ? 2 : 1) * s->hidden) : nullptr;
+  PyObject* out = nullptr;
+  if (stop) {
+    PyObject* argv[3] = {s->hc, start, stop};
+    out = call_rule(reinterpret_cast<Rule*>(g_rules[kSlice]), argv, 3, argv + 1);
+  }
+  Py_XDECREF(start);
+  Py_XDECREF(stop);
+  if (out) half = Py_NewRef(out);
+  return out;
+}
+
+// A State of `type` (StateType or a subclass) holding `hc`; steals nothing.
+PyObject* new_state(PyTypeObject* type, PyObject* hc, Py_ssize_t hidden) {
+  StateObject* s = reinterpret_cast<StateObject*>(type->tp_alloc(type, 0));
+  if (!s) return nullptr;
+  s->hc = Py_NewRef(hc);
+  s->hidden = hidden;
+  return reinterpret_cast<PyObject*>(s);
+}
+
+PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"hc", "hidden", nullptr};
+  PyObject* hc;
+  Py_ssize_t hidden;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!n:State", const_cast<char**>(names),
+                                   &ExpressionBase, &hc, &hidden))
+    return nullptr;
+  return new_state(type, hc, hidden);
+}
+
+int state_traverse(PyObject* self, visitproc visit, void* arg) {
+  StateObject* s = reinterpret_cast<StateObject*>(self);
+  Py_VISIT(s->hc);
+  Py_VISIT(s->half[0]);
+  Py_VISIT(s->half[1]);
+  return 0;
+}
+
+int state_clear(PyObject* self) {
+  StateObject* s = reinterpret_cast<StateObject*>(self);
+  Py_CLEAR(s->hc);
+  Py_CLEAR(s->half[0]);
+  Py_CLEAR(s->half[1]);
+  return 0;
+}
+
+void state_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  state_clear(self);
+  Py_TYPE(self)->tp_free(self);  // (a heap subclass's reference to its type: subtype_dealloc)
+}
+
+PyObject* state_h(PyObject* self, void*) { return state_half(self, nullptr); }
+
+PyObject* state_c(PyObject* self, void*) { return state_half(self, self); }
+
+PyGetSetDef kStateGetSet[] = {
+    {"h", state_h, nullptr, "The output (hidden state): a slice node of [h; c], made once.",
+     nullptr},
+    {"c", state_c, nullptr, "The memory cell: a slice node of [h; c], made once.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyMemberDef kStateMembers[] = {
+    {"hc", T_OBJECT_EX, offsetof(StateObject, hc), READONLY, "the node [h; c]"},
+    {"hidden", T_PYSSIZET, offsetof(StateObject, hidden), READONLY, "the size of h (and c)"},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyTypeObject StateType = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;
+  t.tp_name = "flybatch._core.State";
+  t.tp_basicsize = sizeof(StateObject);
+  t.tp_dealloc = state_dealloc;
+  t.tp_free = PyObject_GC_Del;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  t.tp_traverse = state_traverse;
+  t.tp_clear = state_clear;
+  t.tp_getset = kStateGetSet;
+  t.tp_members = kStateMembers;
+  t.tp_new = state_new;
+  t.tp_doc = "State(hc, hidden): a recurrent cell's state, the node [h; c] (fb.nn.State).";
+  return t;
+}();
+
+struct FusedSpec {
+  PyObject_HEAD
+  PyObject* args;   // the constructor's arguments (repr, pickling)
+  PyObject* op;
+  PyObject* name;   // op.name
+  std::int32_t code;
+  PyObject* params;                   // tuple of parameter names
+  PyObject* expect;                   // tuple of the keyed inputs' shapes
+  std::vector<std::vector<i64>>* expect_dims;
+  std::vector<i64>* out_dims;
+  PyObject* attr;
+  std::vector<i64>* attr_key;         // the attr as key ints; NULL: key it by its Python value
+  Py_ssize_t states;                  // the first `states` inputs must be States
+  PyObject* child_shape;              // ragged: the shape of each child after the keyed inputs
+  std::vector<i64>* child_dims;       // (NULL: a fixed number of inputs)
+  PyTypeObject* state_type;           // wrap the node in this State type (NULL: an Expression)
+};
+
+std::vector<i64> dims_from(PyObject* shape, const char* what) {
+  if (!PyTuple_Check(shape))
+    raise(PyExc_TypeError, "FusedSpec: %s must be a tuple of ints, not %R", what, shape);
+  return int_list(shape, what);
+}
+
+// The attr as ints when it is one of the usual ones (None, an int, a tuple of ints or bools:
+// arities, flags; a bool keys as 0 or 1, as it hashes), else NULL.
+std::vector<i64>* attr_key_of(PyObject* attr) {
+  if (attr == Py_None) return new std::vector<i64>{-1};
+  if (PyLong_CheckExact(attr)) {
+    const long long v = PyLong_AsLongLong(attr);
+    if (v == -1 && PyErr_Occurred()) PyErr_Clear();
+    return v >= 0 ? new std::vector<i64>{v} : nullptr;  // arities are >= 0
+  }
+  if (!PyTuple_CheckExact(attr) || PyTuple_GET_SIZE(attr) == 0) return nullptr;
+  std::vector<i64> key{-2 - PyTuple_GET_SIZE(attr)};  // its length, then its items
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attr); ++i) {
+    PyObject* item = PyTuple_GET_ITEM(attr, i);
+    const long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+    if (v == -1 && (!PyLong_Check(item) || PyErr_Occurred())) {
+      PyErr_Clear();  // an int too large for the key: the Python key
+      return nullptr;
+    }
+    key.push_back(v);
+  }
+  return new std::vector<i64>(std::move(key));
+}
+
+void spec_free_fields(FusedSpec* s) {
+  Py_CLEAR(s->args);
+  Py_CLEAR(s->op);
+  Py_CLEAR(s->name);
+  Py_CLEAR(s->params);
+  Py_CLEAR(s->expect);
+  Py_CLEAR(s->attr);
+  Py_CLEAR(s->child_shape);
+  Py_CLEAR(s->state_type);
+  delete s->expect_dims;
+  delete s->out_dims;
+  delete s->attr_key;
+  delete s->child_dims;
+  s->expect_dims = nullptr;
+  s->out_dims = s->attr_key = s->child_dims = nullptr;
+}
+
+PyObject* spec_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"op",     "params",      "expect", "shape", "attr",
+                                "states", "child_shape", "state",  nullptr};
+  PyObject *op, *params, *expect, *shape, *attr = Py_None, *child_shape = Py_None,
+                                          *state = Py_None;
+  Py_ssize_t states = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!|OnOO:FusedSpec",
+                                   const_cast<char**>(names), &op, &PyTuple_Type, &params,
+                                   &PyTuple_Type, &expect, &PyTuple_Type, &shape, &attr, &states,
+                                   &child_shape, &state))
+    return nullptr;
+  FusedSpec* s = reinterpret_cast<FusedSpec*>(type->tp_alloc(type, 0));
+  if (!s) return nullptr;
+  PyObject* out = guarded([&]() -> PyObject* {
+    if (state != Py_None && (!PyType_Check(state) ||
+                             !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(state), &StateType)))
+      raise(PyExc_TypeError, "FusedSpec: state must be a subclass of _core.State, not %R", state);
+    s->args = checked(Py_BuildValue("(OOOOOnOO)", op, params, expect, shape, attr, states,
+                                    child_shape, state));
+    s->op = Py_NewRef(op);
+    s->name = checked(PyObject_GetAttrString(op, "name"));
+    s->code = op_code(op);
+    s->params = Py_NewRef(params);
+    s->expect = Py_NewRef(expect);
+    s->expect_dims = new std::vector<std::vector<i64>>;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(expect); ++k)
+      s->expect_dims->push_back(dims_from(PyTuple_GET_ITEM(expect, k), "expect's shapes"));
+    s->out_dims = new std::vector<i64>(dims_from(shape, "shape"));
+    s->attr = Py_NewRef(attr);
+    s->attr_key = attr_key_of(attr);
+    s->states = states;
+    s->child_shape = Py_NewRef(child_shape);
+    if (child_shape != Py_None)
+      s->child_dims = new std::vector<i64>(dims_from(child_shape, "child_shape"));
+    s->state_type = state == Py_None ? nullptr
+                                     : reinterpret_cast<PyTypeObject*>(Py_NewRef(state));
+    if (s->state_type && s->out_dims->size() != 1)
+      raise(PyExc_ValueError, "FusedSpec: a State is a vector [h; c], not of shape %R", shape);
+    return reinterpret_cast<PyObject*>(s);
+  });
+  if (!out) Py_DECREF(s);
+  return out;
+}
+
+void spec_dealloc(PyObject* self) {
+  spec_free_fields(reinterpret_cast<FusedSpec*>(self));
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* spec_repr(PyObject* self) {
+  return PyUnicode_FromFormat("FusedSpec%R", reinterpret_cast<FusedSpec*>(self)->args);
+}
+
+// Pickled as its arguments; copied as itself (it holds no state, and its op is a constant).
+PyObject* spec_reduce(PyObject* self, PyObject*) {
+  return Py_BuildValue("(OO)", Py_TYPE(self), reinterpret_cast<FusedSpec*>(self)->args);
+}
+
+PyObject* spec_copy(PyObject* self, PyObject*) { return Py_NewRef(self); }
+
+PyMethodDef kSpecMethods[] = {
+    {"__reduce__", spec_reduce, METH_NOARGS, nullptr},
+    {"__copy__", spec_copy, METH_NOARGS, nullptr},
+    {"__deepcopy__", spec_copy, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyMemberDef kSpecMembers[] = {
+    {"op", T_OBJECT_EX, offsetof(FusedSpec, op), READONLY, nullptr},
+    {"params", T_OBJECT_EX, offsetof(FusedSpec, params), READONLY, nullptr},
+    {"expect", T_OBJECT_EX, offsetof(FusedSpec, expect), READONLY, nullptr},
+    {"attr", T_OBJECT, offsetof(FusedSpec, attr), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyTypeObject FusedSpecType = [] {
+  PyTypeObject t{};
+  t.ob_base.ob_base.ob_refcnt = 1;
+  t.tp_name = "flybatch._core.FusedSpec";
+  t.tp_basicsize = sizeof(FusedSpec);
+  t.tp_dealloc = spec_dealloc;
+  t.tp_repr = spec_repr;
+  t.tp_flags = Py_TPFLAGS_DEFAULT;
+  t.tp_methods = kSpecMethods;
+  t.tp_members = kSpecMembers;
+  t.tp_new = spec_new;
+  t.tp_doc =
+      "FusedSpec(op, params, expect, shape, attr=None, states=0, child_shape=None,\n"
+      "          state=None)\n\n"
+      "One kind of node of a fused module: `op` over inputs of shapes `expect` and the module's\n"
+      "parameters named `params`, of shape `shape`; batched by the module's tag, the input\n"
+      "shapes and `attr`. The first `states` inputs are children States (their [h; c]). With\n"
+      "`child_shape`, any number of children States of that shape follow the keyed inputs, and\n"
+      "their nodes follow the parameters, out of the signature. `state`: a _core.State subclass\n"
+      "that wraps the node (a recurrent cell's [h; c]), else the node is returned.";
+  return t;
+}();
+
+// The graph's entry for `module` (nn.FusedModule._in_graph: (module, tag, table, lists)), a
+// new reference.
+PyObject* module_entry(Store* g, PyObject* module) {
+  static PyObject* s_tags = PyUnicode_InternFromString("tags");
+  static PyObject* s_in_graph = PyUnicode_InternFromString("_in_graph");
+  PyObject* tags = checked(PyObject_GetAttr(reinterpret_cast<PyObject*>(g), s_tags));
+  Release r1{tags};
+  PyObject* id = checked(PyLong_FromVoidPtr(module));
+  Release r2{id};
+  PyObject* entry = PyDict_Check(tags) ? PyDict_GetItemWithError(tags, id) : nullptr;
+  if (entry) return Py_NewRef(entry);
+  if (PyErr_Occurred()) throw PythonError{};
+  return checked(PyObject_CallMethodOneArg(module, s_in_graph, reinterpret_cast<PyObject*>(g)));
+}
+
+// The nodes of the spec's parameters in `entry`, cached in the entry's dict of lists by spec.
+void push_params(FusedSpec* spec, PyObject* entry, std::vector<i64>& args) {
+  PyObject* table = PyTuple_GET_ITEM(entry, 2);
+  PyObject* lists = PyTuple_GET_ITEM(entry, 3);
+  PyObject* nodes = PyDict_GetItemWithError(lists, reinterpret_cast<PyObject*>(spec));
+  if (!nodes) {
+    if (PyErr_Occurred()) throw PythonError{};
+    const Py_ssize_t n = PyTuple_GET_SIZE(spec->params);
+    Owned made(PyTuple_New(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* node = PyObject_GetItem(table, PyTuple_GET_ITEM(spec->params, i));
+      PyTuple_SET_ITEM(made.get(), i, checked(node));
+    }
+    if (PyDict_SetItem(lists, reinterpret_cast<PyObject*>(spec), made.get()) < 0)
+      throw PythonError{};
+    nodes = made.get();  // held by the dict
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(nodes); ++i) {
+    const long long node = PyLong_AsLongLong(PyTuple_GET_ITEM(nodes, i));
+    if (node == -1 && PyErr_Occurred()) throw PythonError{};
+    args.push_back(node);
+  }
+}
+
+PyObject* fused_call(PyObject* module, FusedSpec* spec, PyObject* inputs_in) {
+  PyObject* inputs = checked(PySequence_Fast(inputs_in, "fused: inputs must be a sequence"));
+  Release r1{inputs};
+  const std::size_t n = PySequence_Fast_GET_SIZE(inputs);
+  const std::size_t keyed = spec->expect_dims->size();
+  if (spec->child_dims ? n < keyed : n != keyed)
+    raise(PyExc_TypeError, "%U takes %zu inputs, got %zu", spec->name, keyed, n);
+  // Children States read as their [h; c]: the first `states` inputs, and a ragged op's tail.
+  std::vector<PyObject*> operands(PySequence_Fast_ITEMS(inputs),
+                                  PySequence_Fast_ITEMS(inputs) + n);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!(static_cast<Py_ssize_t>(i) < spec->states || (spec->child_dims && i >= keyed)))
+      continue;
+    if (!PyObject_TypeCheck(operands[i], &StateType))
+      raise(PyExc_TypeError, "%s: a child must be an fb.nn.State, not %s; make one with "
+                             "fb.nn.State.of(h=..., c=...)", Py_TYPE(module)->tp_name,
+            Py_TYPE(operands[i])->tp_name);
+    operands[i] = reinterpret_cast<StateObject*>(operands[i])->hc;
+  }
+  GraphRef ref(graph_of(operands.data(), n));
+  Store* g = ref.g;
+  std::vector<i64> args;
+  args.reserve(n + PyTuple_GET_SIZE(spec->params));
+  for (std::size_t i = 0; i < keyed; ++i) {
+    const i64 node = node_of(g, operands[i]);
+    const Dims dims = dims_of(g, node);
+    const std::vector<i64>& want = (*spec->expect_dims)[i];
+    if (!(dims == Dims{want.data(), want.size()}))
+      shape_error("%U: argument %zu has shape %R, expected %R", spec->name, i,
+                  shape_tuple(g, node), PyTuple_GET_ITEM(spec->expect, i));
+    args.push_back(node);
+  }
+  Owned entry(module_entry(g, module));
+  push_params(spec, entry.get(), args);
+  for (std::size_t i = keyed; i < n; ++i) {  // a ragged op's children
+    const i64 node = node_of(g, operands[i]);
+    const std::vector<i64>& want = *spec->child_dims;
+    if (!(dims_of(g, node) == Dims{want.data(), want.size()}))
+      shape_error("%U: child %zu has [h; c] of shape %R, expected %R", spec->name, i - keyed,
+                  shape_tuple(g, node), spec->child_shape);
+    args.push_back(node);
+  }
+  PyObject* tag = PyTuple_GET_ITEM(entry.get(), 1);
+  const bool no_grad = !grad_enabled();
+  auto python_key = [&] {
+    PyObject* shapes = shapes_tuple(g, args.data(), keyed);
+    PyObject* key = Py_BuildValue("(OONO)", spec->name, tag, shapes, spec->attr);
+    if (!key) throw PythonError{};
+    return key;
+  };
+  i64 sig;
+  if (spec->attr_key) {
+    Key key;
+    key.push(spec->code);
+    key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
+    for (const i64 k : *spec->attr_key) key.push(k);
+    for (std::size_t i = 0; i < keyed; ++i) key.push(g->nodes->shape[args[i]]);
+    key.push(no_grad);
+    sig = signature(g, key, no_grad, python_key);
+  } else {  // an attr of another kind: its whole Python key, every time
+    PyObject* key = python_key();
+    if (no_grad) key = new_tuple({PyUnicode_FromString("no_grad"), key});
+    Release r2{key};
+    sig = python_sig(g, key);
+  }
+  check_open(g);
+  const std::vector<i64>& out = *spec->out_dims;
+  PyObject* node = append(g, spec->code, args.data(), args.size(),
+                          intern_shape(g, out.data(), out.size()), sig, spec->attr, no_grad);
+  if (!spec->state_type) return node;
+  Release r3{node};
+  return checked(new_state(spec->state_type, node, out[0] / 2));
+}
+
 const char kFusedDoc[] =
-    "fused(op, inputs, expect, tag, params, shape, attr) -> Expression\n\n"
-    "One node of a fused module's `op` (nn.FusedModule._fused): the nodes of `inputs`, whose\n"
-    "shapes must be `expect`, then the parameter nodes `params`; batched by the module's `tag`\n"
-    "(its signatures.tag), the input shapes and `attr`.";
+    "fused(module, spec, inputs) -> Expression | State\n\n"
+    "One node of fused module `module` of the kind `spec` (a FusedSpec) over `inputs`: its\n"
+    "shapes checked, its parameters' nodes read from the graph's entry for the module\n"
+    "(nn.FusedModule._in_graph), batched with the module's other nodes of equal spec and\n"
+    "input shapes.";
 
 PyObject* fused(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 7) {
-    PyErr_SetString(PyExc_TypeError, "fused(op, inputs, expect, tag, params, shape, attr)");
+  if (argc != 3 || !PyObject_TypeCheck(argv[1], &FusedSpecType)) {
+    PyErr_SetString(PyExc_TypeError, "fused(module, spec: FusedSpec, inputs)");
     return nullptr;
   }
-  return creating_nodes([&]() -> PyObject* {
-    PyObject* inputs = PySequence_Fast(argv[1], "fused: inputs must be a sequence");
-    if (!inputs) throw PythonError{};
-    Release r1{inputs};
-    const std::size_t n = PySequence_Fast_GET_SIZE(inputs);
-    GraphRef ref(graph_of(PySequence_Fast_ITEMS(inputs), n));
-    std::vector<i64> args(n);
-    for (std::size_t i = 0; i < n; ++i) args[i] = node_of(ref.g, PySequence_Fast_ITEMS(inputs)[i]);
-    const std::vector<i64> params = int_list(argv[4], "fused: params must be node ids");
-    args.insert(args.end(), params.begin(), params.end());
-    const std::vector<i64> dims = int_list(argv[5], "fused: shape must be a tuple of ints");
-    PyObject* name = PyObject_GetAttrString(argv[0], "name");
-    if (!name) throw PythonError{};
-    Release r2{name};
-    return fused_node(ref.g, argv[0], name, args.data(), n, args.size(), argv[2], argv[3],
-                      dims.data(), dims.size(), argv[6]);
+  return creating_nodes([&] {
+    return fused_call(argv[0], reinterpret_cast<FusedSpec*>(argv[1]), argv[2]);
   });
 }
 
@@ -1050,7 +1365,11 @@ bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
   return s_operand && s_lookup_tag && PyType_Ready(&RuleType) == 0 &&
+         PyType_Ready(&StateType) == 0 && PyType_Ready(&FusedSpecType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
+         PyModule_AddObjectRef(module, "State", reinterpret_cast<PyObject*>(&StateType)) == 0 &&
+         PyModule_AddObjectRef(module, "FusedSpec",
+                               reinterpret_cast<PyObject*>(&FusedSpecType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }
 

@@ -7,6 +7,8 @@ checked against torch.nn's own modules with copied weights.
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import pytest
 import torch
 
@@ -320,6 +322,35 @@ def test_nn_blocks_are_torch_modules_with_ordinary_parameters():
     state = model.state_dict()
     assert state and all(isinstance(v, torch.Tensor) for v in state.values())
     assert len(list(model.parameters())) == len(state)
+
+
+@pytest.mark.parametrize("copy", ["deepcopy", "torch.save"])
+def test_fused_cells_copied_or_saved_whole_compute_what_the_original_computes(copy, tmp_path):
+    # A fused module describes its kinds of node once (FusedSpecs, held by the module), and
+    # those must survive a deepcopy and a pickle of the whole module.
+    cell = fb.nn.TreeLSTMCell(IN, H)
+    if copy == "deepcopy":
+        twin = deepcopy(cell)
+    else:
+        torch.save(cell, tmp_path / "cell.pt")
+        twin = torch.load(tmp_path / "cell.pt", weights_only=False)
+    x = torch.randn(IN)
+
+    def root(c: fb.nn.TreeLSTMCell) -> torch.Tensor:
+        with fb.Graph():
+            return c([c.leaf(x), c.leaf(2 * x)]).h.value().detach()
+
+    torch.testing.assert_close(root(twin), root(cell))
+
+
+def test_a_state_reads_h_and_c_as_one_node_each_made_on_first_read():
+    cell = fb.nn.TreeLSTMCell(IN, H)
+    with fb.Graph() as g:
+        state = cell.leaf(fb.input(torch.randn(IN)))
+        before = g.n_nodes
+        assert state.h is state.h and state.c is state.c
+        assert g.n_nodes == before + 2
+        torch.testing.assert_close(fb.concat([state.h, state.c]).value(), state.hc.value())
 
 
 def test_building_with_fb_ops_and_modules_costs_no_capture_dispatch_per_op(monkeypatch):

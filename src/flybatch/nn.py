@@ -57,9 +57,11 @@ def _with_weights_of(ours: nn.Module, theirs: nn.Module) -> nn.Module:
 class FusedModule(nn.Module):
     """A module whose calls create fused nodes.
 
-    Its parameters' nodes are looked up once per graph (not once per call), and its signature
-    names the module (by its tag in the graph, `signatures.tag`): nodes of one module with equal
-    input shapes share its parameters and batch together.
+    Each kind of node it makes is described once, as a `_core.FusedSpec` (op, parameters,
+    input and output shapes, attr), and a call is one C call, `_core.fused(module, spec,
+    inputs)`. Its parameters' nodes are looked up once per graph (not once per call), and its
+    signature names the module (by its tag in the graph, `signatures.tag`): nodes of one module
+    with equal input shapes share its parameters and batch together.
     """
 
     def _in_graph(self, g: Graph) -> tuple:
@@ -76,18 +78,8 @@ class FusedModule(nn.Module):
             entry = signatures.remember(g, self, nodes, {})
         return entry
 
-    def _fused(self, op: Op, inputs: Sequence[Operand], expect: tuple, params: Sequence[str],
-               shape: tuple[int, ...], attr: object = None) -> Expression:
-        """One node of `op` over `inputs` (whose shapes must be `expect`) and `params`."""
-        _, tag, table, lists = self._in_graph(ops.graph_of(*inputs))
-        nodes = lists.get(params)  # (a cell call would spend ~0.2 us building it again)
-        if nodes is None:
-            nodes = lists[params] = [table[name] for name in params]
-        # One C call: inputs resolved and checked, signature (op.name, tag, shapes, attr).
-        return _core.fused(op, inputs, expect, tag, nodes, shape, attr)
 
-
-class State:
+class State(_core.State):
     """A recurrent cell's state: its output `state.h` and its memory cell `state.c`, held as ONE
     node `[h; c]`.
 
@@ -99,11 +91,10 @@ class State:
     the `h` the model reads). `State.of(h=..., c=...)` makes one from vectors of your own.
     """
 
-    __slots__ = ("hc", "hidden", "_h", "_c")
-
-    def __init__(self, hc: Expression, hidden: int):
-        self.hc, self.hidden = hc, hidden
-        self._h = self._c = None
+    # `State(hc, hidden)`, its fields `hc` and `hidden` and the properties `h` (the output, or
+    # hidden state) and `c` (the memory cell) are the compiled core's (csrc/rules.cpp): a cell
+    # call makes its State in C, and reading `h` or `c` makes the slice node once.
+    __slots__ = ()
 
     @classmethod
     def of(cls, *, h: Operand, c: Operand) -> "State":
@@ -112,25 +103,6 @@ class State:
             raise ShapeError(f"State.of: h {tuple(h.shape)} and c {tuple(c.shape)} must be "
                              f"vectors of one size")
         return cls(ops.concat([h, c]), h.shape[0])
-
-    @property
-    @_core.own_time
-    def h(self) -> Expression:
-        """The output (hidden state)."""
-        if self._h is None:
-            self._h = self._slice(0)
-        return self._h
-
-    @property
-    @_core.own_time
-    def c(self) -> Expression:
-        """The memory cell."""
-        if self._c is None:
-            self._c = self._slice(self.hidden)
-        return self._c
-
-    def _slice(self, start: int) -> Expression:
-        return ops.slice_rows(self.hc, start, start + self.hidden)
 
     def __iter__(self):
         raise TypeError(_BY_NAME)
@@ -144,15 +116,6 @@ class State:
 
 _BY_NAME = ("an fb.nn.State is read by name, not position: use state.h and state.c (code that "
             "orders the pair (c, h) would silently swap them)")
-
-
-def _combined(child: State) -> Operand:
-    """A Tree-LSTM child's `[h; c]`: a State only, as Tree-LSTM code orders its own pairs either
-    way; a tuple is refused rather than guessed."""
-    if not isinstance(child, State):
-        raise TypeError(f"TreeLSTMCell: a child must be an fb.nn.State, not "
-                        f"{type(child).__name__}; make one with fb.nn.State.of(h=..., c=...)")
-    return child.hc
 
 
 def _previous(state: "State | tuple[Operand, Operand]") -> Operand:
@@ -323,6 +286,9 @@ class LSTMCell(FusedModule):
         self.weight_hh = nn.Parameter(torch.empty(4 * hidden_size, hidden_size))
         self.bias = nn.Parameter(torch.empty(4 * hidden_size))
         _uniform(self, hidden_size)
+        H = hidden_size
+        self._cell = _core.FusedSpec(LSTM_CELL, ("weight_hh",), ((4 * H,), (2 * H,)), (2 * H,),
+                                     state=State)
 
     @classmethod
     def from_torch(cls, module: nn.LSTMCell) -> "LSTMCell":
@@ -345,9 +311,7 @@ class LSTMCell(FusedModule):
         params = self._parameters
         weight_ih, bias = params["weight_ih"], params["bias"]
         projected = ops.affine(weight_ih, x, bias)
-        out = self._fused(LSTM_CELL, (projected, hc), ((4 * H,), (2 * H,)), ("weight_hh",),
-                          (2 * H,))
-        return State(out, H)
+        return _core.fused(self, self._cell, (projected, hc))
 
     __call__ = _core.own_time(forward)
 
@@ -458,6 +422,8 @@ class GRUCell(FusedModule):
         self.bias_ih = nn.Parameter(torch.empty(3 * hidden_size))
         self.bias_hh = nn.Parameter(torch.empty(3 * hidden_size))
         _uniform(self, hidden_size)
+        self._cell = _core.FusedSpec(GRU_CELL, ("weight_ih", "weight_hh", "bias_ih", "bias_hh"),
+                                     ((input_size,), (hidden_size,)), (hidden_size,))
 
     @classmethod
     def from_torch(cls, module: nn.GRUCell) -> "GRUCell":
@@ -471,9 +437,7 @@ class GRUCell(FusedModule):
     def forward(self, x: Operand, h: Expression | None = None) -> Expression:
         if h is None:
             h = ops.zeros(self.hidden_size, graph=ops.graph_of(x))
-        H = self.hidden_size
-        return self._fused(GRU_CELL, (x, h), ((self.input_size,), (H,)),
-                           ("weight_ih", "weight_hh", "bias_ih", "bias_hh"), (H,))
+        return _core.fused(self, self._cell, (x, h))
 
     __call__ = _core.own_time(forward)
 
@@ -571,46 +535,33 @@ class TreeLSTMCell(FusedModule):
             self.U_iou = nn.Parameter(torch.empty(3 * H, arity * H))
             self.U_f = nn.Parameter(torch.empty(arity, H, H))
         _uniform(self, H)
+        hc, x = (2 * H,), (input_size,)
+        if child_sum:  # the children's [h; c] follow the parameters, out of the signature
+            self._child_sum = _core.FusedSpec(TREE_CHILD_SUM, CHILD_SUM_PARAMS, (x,), hc,
+                                              child_shape=hc, state=State)
+        else:
+            self._leaf = _core.FusedSpec(TREE_LEAF, ("W_iou", "b_iou"), (x,), hc, state=State)
+            # Without and with the node's own input x.
+            self._nary = {with_x: _core.FusedSpec(TREE_NARY, _NARY_PARAMS[with_x],
+                                                  (hc,) * arity + (x,) * with_x, hc,
+                                                  (arity, with_x), states=arity, state=State)
+                          for with_x in (False, True)}
 
     @_core.own_time
     def leaf(self, x: Operand) -> State:
         if self.child_sum:
             return self.forward([], x)
-        x_shape = (self.input_size,)
-        out = self._fused(TREE_LEAF, (x,), (x_shape,), ("W_iou", "b_iou"),
-                          (2 * self.hidden_size,))
-        return State(out, self.hidden_size)
+        return _core.fused(self, self._leaf, (x,))
 
     def forward(self, children: Sequence[State], x: Operand | None = None) -> State:
-        H = self.hidden_size
-        inputs = [_combined(child) for child in children]
-        expect = ((2 * H,),) * len(inputs)
-        if x is not None:
-            inputs.append(x)
-            expect += ((self.input_size,),)
         if self.child_sum:
             if x is None:
                 raise ValueError("TreeLSTMCell(child_sum=True) needs the node's input x")
-            out = self._child_sum(inputs[:-1], x)
-        else:
-            if len(children) != self.arity:
-                raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
-            out = self._fused(TREE_NARY, inputs, expect, _NARY_PARAMS[x is not None], (2 * H,),
-                              (self.arity, x is not None))
-        return State(out, H)
-
-    def _child_sum(self, states: list[Expression], x: Operand) -> Expression:
-        """One node: x, the parameters, then the children's `[h; c]`, which follow the
-        parameters unkeyed, so that the signature (module, shape of x) leaves out their number."""
-        H = self.hidden_size
-        g = ops.graph_of(x, states)
-        _, tag, table, _ = self._in_graph(g)
-        for k, state in enumerate(states):
-            if state.shape != (2 * H,):
-                raise ops.ShapeError(f"tree_lstm_child_sum: child {k} has [h; c] of shape "
-                                     f"{state.shape}, expected {(2 * H,)}")
-        nodes = [table[name] for name in CHILD_SUM_PARAMS] + [g.node_of(s) for s in states]
-        return _core.fused(TREE_CHILD_SUM, (x,), ((self.input_size,),), tag, nodes,
-                           (2 * H,), None)
+            return _core.fused(self, self._child_sum, (x, *children))
+        if len(children) != self.arity:
+            raise ValueError(f"TreeLSTMCell(arity={self.arity}) got {len(children)} children")
+        if x is None:
+            return _core.fused(self, self._nary[False], children)
+        return _core.fused(self, self._nary[True], (*children, x))
 
     __call__ = _core.own_time(forward)

@@ -470,16 +470,17 @@ PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, padded=
               rule="pick_nls")
 pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "
                             "per-instance dim.")
-_pick_nls = _core.Rule(PICK_NLS)
 
 
-@_core.own_time
-def pick_neg_log_softmax(x: Operand | Sequence[Operand], label: int) -> Expression:
-    """`-log(softmax(x)[label])`, the cross-entropy loss of one instance: one fused kernel for
-    a vector; for a list of scalars (a variable number of candidates), `logsumexp(x) - x[label]`."""
-    if isinstance(x, (list, tuple)):
-        return sub(logsumexp(x), x[_integer("pick_neg_log_softmax", label)])
-    return _pick_nls(x, label)
+def _pick_nls_of_list(x: Sequence[Operand], label: int) -> Expression:
+    return sub(logsumexp(x), x[_integer("pick_neg_log_softmax", label)])
+
+
+# A C rule (a loss per tree node is a call per node), whose list case is the function above.
+pick_neg_log_softmax = _core.Rule(PICK_NLS, lists=_pick_nls_of_list, doc="""\
+pick_neg_log_softmax(x, label): `-log(softmax(x)[label])`, the cross-entropy loss of one
+instance: one fused kernel for a vector; for a list of scalars (a variable number of
+candidates), `logsumexp(x) - x[label]`.""")
 
 
 def _integer(name: str, index: Any) -> int:
