@@ -256,7 +256,8 @@ i64 python_sig(Store* s, PyObject* key) {
 
 bool length_led(const Store* s, i64 node) {
   const auto sig = static_cast<std::size_t>(s->nodes->sig[node]);
-  return sig < s->length_led->size() && (*s->length_led)[sig];
+  return sig < s->length_led->size() && (*s->length_led)[sig] &&
+         s->shape_keys->length(s->nodes->shape[node]) > 0;  // (a scalar has no length)
 }
 
 void mark_length_led(Store* s, i64 sig) {
