@@ -205,7 +205,9 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
     for (std::size_t row = 1; row < size && !batch.uneven; ++row)
       batch.uneven = f.shape[nodes[row]] != f.shape[nodes[0]];
     if (layout.padded && arity > 0) {  // the lengths of the first arguments, if they differ
-      auto length = [&](std::size_t row) { return leading(args_of(row)[0]); };
+      auto length = [&](std::size_t row) {  // (or of the nodes: an operand may be broadcast)
+        return leading(layout.result_length ? nodes[row] : args_of(row)[0]);
+      };
       bool mixed = false;
       for (std::size_t row = 1; row < size && !mixed; ++row) mixed = length(row) != length(0);
       if (mixed) {

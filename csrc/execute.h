@@ -21,6 +21,7 @@ struct ArgumentLayout {
   // Arguments whose leading dim (a length) may differ from node to node in one batch: they
   // are read padded to the column's longest, and the kernel gets each node's length.
   bool padded = false;
+  bool result_length = false;  // padded: the lengths are the nodes' own (elementwise ops)
 };
 using LayoutOf = std::function<ArgumentLayout(i64 node)>;  // node: a global id
 
@@ -64,8 +65,8 @@ struct Read {
 // node's list starts in `indices` (one per node), else -1. `widths`: where the width of each
 // read starts in `indices` (one per read): the leading dim its rows must have, the longest of
 // its nodes (a result of a padded op is stored padded to ITS longest), -1 for scalars.
-// `lengths`: for a padded op whose nodes' first arguments differ in length, where those
-// lengths start in `indices` (one per node), else -1. `uneven`: its nodes' shapes differ, so
+// `lengths`: for a padded op whose nodes' first arguments (with `result_length`, whose nodes)
+// differ in length, where those lengths start in `indices` (one per node), else -1. `uneven`: its nodes' shapes differ, so
 // its result is stored padded.
 struct BatchReads {
   i64 begin = 0, end = 0;

@@ -155,6 +155,7 @@ const std::vector<OpTraits>& op_traits() {
     traits.layout.fixed = op_int(op, "fixed");  // ops.RaggedOp's; plain ops have none
     traits.layout.stack_from = op_int(op, "stack_from");
     traits.layout.padded = op_flag(op, "padded");
+    traits.layout.result_length = op_flag(op, "result_length");
     known.push_back(traits);
   }
   return known;

@@ -55,7 +55,7 @@ struct Rule {
   PyObject* lists;    // what a list or tuple of operands is given to (a Python function), or NULL
   const char* cname;
   bool ragged;        // list: the key leaves out the number of inputs
-  bool padded;        // the key leaves out the leading dim of the first input (its length)
+  bool padded;        // the key may leave out a length (see "batching across lengths")
 };
 
 namespace {
@@ -147,6 +147,54 @@ PyObject* any_length_tuple(const i64* rest, std::size_t n) {
 PyObject* any_length_tuple(const Store* g, i64 node) {
   const Dims dims = dims_of(g, node);
   return any_length_tuple(dims.d + 1, dims.n - 1);
+}
+
+// ---- batching across lengths ------------------------------------------------------------------
+// A node batches across lengths when its key writes a length as n (push_any_length): the
+// executor pads its batch's arguments to the longest, gives the kernel each node's length, and
+// stores a result whose length varies padded with zeros. Nodes of equal shapes batch as before
+// (the rest of the key keeps them apart as their shapes did); only a mix of lengths batches more.
+// A node whose own leading dim is such a length is `length_led` (a stack's rows, a softmax of
+// any length, the rows of `M_i @ q`); elementwise ops and reductions follow their inputs: they
+// batch across lengths only where an input is length-led. So a leading dim that is no length
+// (a parameter's rows, the rows of an embedding lookup, the n of a fixed-size vector) keeps
+// its exact key, and the signatures (and the bound over them, stats.lower_bound) stay as they
+// were on graphs without lengths. Each family's rule:
+
+// Softmaxes of vectors (softmax, log_softmax, and pick_neg_log_softmax): any vector's length is
+// one; the result is length-led.
+bool vector_across_lengths(const Dims& x) { return x.n == 1; }
+
+// Unary elementwise (tanh, exp, ...): of a length-led input; the result is as long, length-led.
+bool unary_across_lengths(const Store* g, i64 x) { return length_led(g, x); }
+
+// Reductions to a scalar (sum_elems, mean_elems, squared_norm): of a length-led input.
+bool reduce_across_lengths(const Store* g, i64 x) { return length_led(g, x); }
+
+// `x[i]` (pick): of a length-led input (an element of a softmax's weights, a row of a stack, a
+// step of an lstm_layer's result). Not of any other input: picks from a captured embedding
+// lookup of each tree's words, of (n_i, D), keep one signature per n_i, as their reads do.
+bool pick_across_lengths(const Store* g, i64 x) { return length_led(g, x); }
+
+// Binary elementwise (add, sub, mul, div): when an operand as long as the result (aligned: as
+// many dims and the same leading dim) is length-led. Then every aligned operand's leading dim
+// is written n (it equals the result's, node by node: `scores_i + mask_i`), and the others keep
+// their whole shape (a broadcast row `K_i W + q U`, a scalar `0.5 * scores_i`); the result is
+// length-led. Returns the aligned operands as bits (1: a, 2: b), 0 when the node batches by its
+// exact shapes. (A result of length 1 makes an operand of leading dim 1 aligned, where a longer
+// one would make it a broadcast row: two keys, never one batch mixing the two readings.)
+int binary_across_lengths(const Store* g, const i64* args, const Dims& out) {
+  if (out.n == 0) return 0;
+  int aligned = 0;
+  bool led = false;
+  for (int k = 0; k < 2; ++k) {
+    const Dims x = dims_of(g, args[k]);
+    if (x.n == out.n && x[0] == out[0]) {
+      aligned |= 1 << k;
+      led = led || length_led(g, args[k]);
+    }
+  }
+  return led ? aligned : 0;
 }
 
 // ---- operands ----------------------------------------------------------------------------------
@@ -259,8 +307,9 @@ i64 tag_number(const Store* g, i64 node) {
 // ---- signatures --------------------------------------------------------------------------------
 // The signature int of `key` in `g`; `python_key()` (a new reference) is called only for a key
 // this graph has not met.
+// `led`: the key leaves out its nodes' own leading dim, a length (marked `length_led`).
 template <class PythonKey>
-i64 signature(Store* g, const Key& key, bool no_grad, PythonKey&& python_key) {
+i64 signature(Store* g, const Key& key, bool no_grad, PythonKey&& python_key, bool led = false) {
   const std::uint64_t h = KeyTable::hash(key.data(), key.size());
   const std::int32_t id = g->sig_keys_c->find(key.data(), key.size(), h);
   if (id >= 0) return (*g->sig_of_key)[id];
@@ -274,6 +323,7 @@ i64 signature(Store* g, const Key& key, bool no_grad, PythonKey&& python_key) {
     throw;
   }
   Py_DECREF(readable);
+  if (led) mark_length_led(g, sig);
   g->sig_of_key->push_back(sig);
   g->sig_keys_c->insert(key.data(), key.size(), h);
   return sig;
@@ -301,10 +351,11 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
   i64 index = 0;
   std::int32_t out_shape = -1;
   const bool no_grad = !grad_enabled();
-  auto finish = [&](auto&& python_key) -> PyObject* {
+  // `led`: the node's own leading dim is a length its key leaves out.
+  auto finish = [&](auto&& python_key, bool led = false) -> PyObject* {
     key.push(no_grad);
     if (out_shape < 0) out_shape = intern_shape(g, out_dims.data(), out_dims.size());
-    const i64 sig = signature(g, key, no_grad, python_key);
+    const i64 sig = signature(g, key, no_grad, python_key, led);
     check_open(g);
     PyObject* e;
     try {
@@ -335,13 +386,18 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       [[fallthrough]];
     case Family::unary:
       out_shape = g->nodes->shape[args[0]];
-      if (rule->padded && a.n > 0) {
+      if (rule->padded && (rule->family == Family::vector ? vector_across_lengths(a)
+                                                          : unary_across_lengths(g, args[0]))) {
         push_any_length(g, key, args[0]);
-        return finish([&] { return named({any_length_tuple(g, args[0])}); });
+        return finish([&] { return named({any_length_tuple(g, args[0])}); }, /*led=*/true);
       }
       key.push(out_shape);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     case Family::reduce:
+      if (rule->padded && reduce_across_lengths(g, args[0])) {
+        push_any_length(g, key, args[0]);
+        return finish([&] { return named({any_length_tuple(g, args[0])}); });
+      }
       key.push(g->nodes->shape[args[0]]);
       return finish([&] { return named({Py_NewRef(shape_tuple(g, args[0]))}); });
     case Family::binary: {
@@ -359,11 +415,22 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
           out_dims[nd - i] = std::max(da, db);
         }
       }
-      key.push(g->nodes->shape[args[0]]);
-      key.push(g->nodes->shape[args[1]]);
+      const Dims out = a == b ? a : Dims{out_dims.data(), out_dims.size()};
+      const int aligned = rule->padded ? binary_across_lengths(g, args, out) : 0;
+      static PyObject* aligned_attrs[4] = {};  // the kernel's attr: the aligned operands' bits
+      if (aligned && !aligned_attrs[aligned] && !(aligned_attrs[aligned] = PyLong_FromLong(aligned)))
+        throw PythonError{};
+      if (aligned) attr = aligned_attrs[aligned];
+      for (int k = 0; k < 2; ++k) {
+        if (aligned >> k & 1) push_any_length(g, key, args[k]);
+        else key.push(g->nodes->shape[args[k]]);
+      }
       return finish([&] {
-        return named({Py_NewRef(shape_tuple(g, args[0])), Py_NewRef(shape_tuple(g, args[1]))});
-      });
+        auto shape = [&](int k) {
+          return aligned >> k & 1 ? any_length_tuple(g, args[k]) : Py_NewRef(shape_tuple(g, args[k]));
+        };
+        return named({shape(0), shape(1)});
+      }, /*led=*/aligned != 0);
     }
     case Family::matmul: {
       const Dims b = dims_of(g, args[1]);
@@ -392,7 +459,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
           return named({Py_NewRef(Py_None), any_length_tuple(g, args[0]),
                         vector ? any_length_tuple(g, args[1])
                                : Py_NewRef(shape_tuple(g, args[1]))});
-        });
+        }, /*led=*/!vector);  // M_i @ q has M_i's rows
       }
       key.push(g->nodes->shape[args[0]]);
       key.push(g->nodes->shape[args[1]]);
@@ -441,7 +508,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
         return finish([&] {
           const Dims item = dims_of(g, args[0]);
           return named({any_length_tuple(item.d, item.n)});
-        });
+        }, /*led=*/true);
       }
       out_shape = shape;
       if (!rule->ragged) key.push(static_cast<i64>(n));
@@ -495,7 +562,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       if (i < 0) i += a[0];
       if (rule->family == Family::pick) out_dims.assign(a.d + 1, a.d + a.n);
       index = i;
-      if (rule->padded) {
+      if (rule->padded && (rule->family == Family::pick_nls || pick_across_lengths(g, args[0]))) {
         push_any_length(g, key, args[0]);
         return finish([&] { return named({any_length_tuple(g, args[0])}); });
       }

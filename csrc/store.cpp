@@ -254,6 +254,18 @@ i64 python_sig(Store* s, PyObject* key) {
   return sig;
 }
 
+bool length_led(const Store* s, i64 node) {
+  const auto sig = static_cast<std::size_t>(s->nodes->sig[node]);
+  return sig < s->length_led->size() && (*s->length_led)[sig] &&
+         s->shape_keys->length(s->nodes->shape[node]) > 0;  // (a scalar has no length)
+}
+
+void mark_length_led(Store* s, i64 sig) {
+  auto& led = *s->length_led;
+  if (static_cast<std::size_t>(sig) >= led.size()) led.resize(sig + 1, 0);
+  led[sig] = 1;
+}
+
 namespace {
 
 Store* as_store(PyObject* self) { return reinterpret_cast<Store*>(self); }
@@ -274,6 +286,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->shape_tuples = new std::vector<PyObject*>();
     s->sig_keys_c = new KeyTable();
     s->sig_of_key = new std::vector<i64>();
+    s->length_led = new std::vector<std::uint8_t>();
     s->param_tags = new std::unordered_map<i64, PyObject*>();
     s->scalars = new std::unordered_map<std::uint64_t, i64>();
     s->table_tags = new std::unordered_map<PyObject*, PyObject*>();
@@ -354,6 +367,7 @@ void store_dealloc(PyObject* self) {
   delete s->shape_tuples;
   delete s->sig_keys_c;
   delete s->sig_of_key;
+  delete s->length_led;
   delete s->param_tags;
   delete s->scalars;
   delete s->table_tags;
@@ -368,7 +382,8 @@ const char kAddDoc[] =
     "Append a node of `op` (an ops.Op) over the nodes `args`, of per-instance `shape`, in the\n"
     "batch class named by `sig_key` (a hashable key interned per graph), with `attr` for its\n"
     "kernel and `index` for its per-node int (an op with per_node_attrs). A node with inputs written under torch.no_grad() is marked and never batched with\n"
-    "nodes that carry gradient. The ops themselves call the rules of rules.cpp instead.";
+    "nodes that carry gradient. A padded op's nodes (lstm_layer) are length-led: their\n"
+    "leading dim is a length. The ops themselves call the rules of rules.cpp instead.";
 
 PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
   if (argc < 4 || argc > 6) {
@@ -404,6 +419,7 @@ PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
     // without grad and never shares a kernel with nodes that carry gradient.
     const bool no_grad = !args.empty() && !grad_enabled();
     PyObject* key = argv[3];
+    const Py_ssize_t known_sigs = PyList_GET_SIZE(s->sig_keys);
     i64 sig;
     if (no_grad) {
       key = Py_BuildValue("(sO)", "no_grad", argv[3]);
@@ -417,6 +433,13 @@ PyObject* store_add(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
       Py_DECREF(key);
     } else {
       sig = python_sig(s, key);
+    }
+    if (sig == known_sigs) {  // a new signature: a padded op's result is length-led
+      PyObject* padded = PyObject_GetAttrString(argv[0], "padded");
+      const int is_padded = padded ? PyObject_IsTrue(padded) : -1;
+      Py_XDECREF(padded);
+      if (is_padded < 0) throw PythonError{};
+      if (is_padded) mark_length_led(s, sig);
     }
     const i64 index = argc == 6 ? as_int(argv[5]) : 0;
     return append(s, op_code(argv[0]), args.data(), args.size(),

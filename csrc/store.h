@@ -199,6 +199,11 @@ struct Store {
   std::vector<PyObject*>* shape_tuples;
   KeyTable* sig_keys_c;              // signature keys built by the rules (rules.cpp)
   std::vector<i64>* sig_of_key;      // their signature ints
+  // Per signature int: its nodes' leading dim is a length, which the signature leaves out
+  // (written n: a stack's rows, a padded op's result as long as its input). Their batch result
+  // may be stored padded, and elementwise ops of them batch across lengths too (rules.cpp).
+  // Missing entries (signatures past its end) are 0.
+  std::vector<std::uint8_t>* length_led;
   PyObject* sig_ids;                 // dict: Python signature key -> int (Graph.add)
   PyObject* sig_keys;                // list: int -> Python key (signatures.describe)
   PyObject* origin_hook;             // debug mode: called with each new node id
@@ -249,6 +254,10 @@ const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n);
 bool grad_enabled();
 // The signature int of a Python key, interned on first sight (sig_ids, sig_keys).
 i64 python_sig(Store* s, PyObject* key);
+// Whether the leading dim of `node`'s shape is a length (its signature's `length_led` mark).
+bool length_led(const Store* s, i64 node);
+// Marks signature `sig` as length-led (a new signature whose key leaves its length out).
+void mark_length_led(Store* s, i64 sig);
 // Appends a node (its inputs already checked to be earlier nodes) and returns its handle.
 PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
                  std::int32_t shape, i64 sig, PyObject* attr, bool no_grad, i64 index = 0);

@@ -49,13 +49,16 @@ class Op:
     per_node_attrs: bool = False  # the rules give each node an int (pick's index, lookup's row)
     stack_from: int | None = None
     ragged: bool = False  # variadic, any arity in one batch: ONE flat argument, attr = arities
-    # Lengths differ in one batch: its rule leaves the leading dim of the first argument (a
-    # vector's length, a matrix's rows) out of the signature. The executor pads each argument to
+    # Lengths differ in one batch: its rule may leave the leading dim of the first argument (a
+    # vector's length, a matrix's rows) out of the signature (csrc/rules.cpp says when). The executor pads each argument to
     # the longest of its column (with zeros) and calls `kernel(xs, attr, shape, lengths)`, with
     # each node's length of its first argument (None when they are equal: nothing is padded);
     # the kernel masks what the padding would change, and leaves zeros in the padding of a
     # result whose length varies (stored padded: each node keeps its own shape).
     padded: bool = False
+    # A padded op whose lengths are its nodes' own, not their first arguments' (elementwise ops,
+    # whose first operand may be a broadcast row or a scalar).
+    result_length: bool = False
     cheap: bool = False  # tie-break of the agenda: cheap ops first, as DyNet does
     # The kernel is `x[i]` of each node's one input (pick): the executor runs it as ONE index
     # of the batch result the inputs live in, instead of first copying every node's whole input

@@ -33,10 +33,18 @@ a parameter fixes the length. Their signature writes the length as n (`softmax(n
 and gives the kernel each node's length; the kernel masks what the padding would change (-inf
 before a softmax). A result whose length varies (these, `stack`) is stored padded as ONE
 `[B, longest, ...]` tensor with zeros in the padding, each node keeping its own shape: a read
-narrows the rows to the reader's width (an op that batches equal shapes only, such as `tanh`,
-`pick`, `slice_rows` or `sum_elems`, reads exactly its shape), and `value()` is the node's own.
-Attention over a variable number of source positions is thus one launch per op and step,
-written over a matrix (`softmax(K @ q) @ K` with `K = stack(keys)`) or over lists:
+narrows the rows to the reader's width (an op that batches equal shapes only, such as
+`slice_rows` or `concat`, reads exactly its shape), and `value()` is the node's own.
+Such a result is *length-led* (its leading dim is a length, written n in its signature), and
+the ops of it batch across lengths in turn: unary elementwise ops (`exp(scores)`), binary ones
+whose other operand is as long, a broadcast row or a scalar (`K_i @ Wa + s @ Ua`, `scores *
+0.5`), reductions (`sum_elems`, `mean_elems`, `squared_norm`) and `x[i]`. Their kernels leave
+zeros in the padding (zeroing it again where f(0) != 0, as for `exp` or `K_i + row`, so that a
+broadcast row's gradient sums over real rows only). An input that is not length-led keeps its
+exact signature: a parameter's rows or a lookup's are no length (csrc/rules.cpp decides, per
+rule family). Attention over a variable number of source positions is thus one launch per op
+and step, additive (`tanh(K Wa + s Ua) @ va`) or by products, written over a matrix
+(`softmax(K @ q) @ K` with `K = stack(keys)`) or over lists:
 `attention(keys, query)` is one node giving the context, and scores as a list of scalars go
 through one `logsumexp` in `softmax`, `log_softmax` and `pick_neg_log_softmax` of a list.
 """
@@ -168,18 +176,30 @@ def _index(index: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 
 # ---- unary elementwise ---------------------------------------------------------------------
-def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], cheap: bool = True):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0]), cheap=cheap, rule="unary")
+def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], padding: float | None = None):
+    """An elementwise op. Padded: of a length-led input (a softmax's weights, a stack of rows)
+    it batches across lengths, and leaves zeros in its result's padding: `padding` is None
+    when f(0) = 0 (tanh, relu...), else the value the input's padding takes before f (0, or 1
+    where f or its gradient is infinite at 0: log, sqrt), whose result is then zeroed, so that
+    no padding value (or gradient) reaches a real one."""
+    def kernel(xs, attr, shape, lengths=None):
+        x = xs[0]
+        if lengths is None or padding is None:
+            return fn(x)
+        mask = _padding(lengths, x)
+        return fn(x.masked_fill(mask, padding) if padding else x).masked_fill(mask, 0.0)
+
+    op = Op(name, kernel, cheap=True, padded=True, rule="unary")
     return _core.Rule(op, doc=f"{name}(x): elementwise {name}.")
 
 
 tanh = _unary("tanh", torch.tanh)
-sigmoid = logistic = _unary("sigmoid", torch.sigmoid)
+sigmoid = logistic = _unary("sigmoid", torch.sigmoid, padding=0.0)
 relu = rectify = _unary("relu", torch.relu)
-exp = _unary("exp", torch.exp)
-log = _unary("log", torch.log)
+exp = _unary("exp", torch.exp, padding=0.0)
+log = _unary("log", torch.log, padding=1.0)
 abs = _unary("abs", torch.abs)  # noqa: A001 - the math name
-sqrt = _unary("sqrt", torch.sqrt)
+sqrt = _unary("sqrt", torch.sqrt, padding=1.0)
 square = _unary("square", torch.square)
 neg = _unary("neg", torch.neg)
 
@@ -191,16 +211,36 @@ def _align(x: torch.Tensor, ndim: int) -> torch.Tensor:
     return x.reshape(x.shape[0], *([1] * missing), *x.shape[1:]) if missing > 0 else x
 
 
-def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(_align(xs[0], len(shape)), _align(xs[1], len(shape))),
-            cheap=True, rule="binary")
+BOTH = 3  # the attr of a binary op across lengths: its operands as long as the result, as bits
+
+
+def _binary(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            keeps_zeros: Callable[[int], bool], b_padding: float = 0.0):
+    """An elementwise op, with NumPy broadcasting. Padded: when an operand as long as the
+    result is length-led, it batches across lengths; its attr says which operands are that long
+    (1: a, 2: b; the other is a broadcast row or a scalar), and `keeps_zeros(aligned)` whether
+    the padding of the result is zeros already (0 + 0, 0 * b) or must be zeroed (0 + b, whose
+    gradient would otherwise sum b's over padded rows). `b_padding`: the value b's padding
+    takes when b is that long (1 for a denominator: 0 / 0 is no zero)."""
+    def kernel(xs, aligned, shape, lengths=None):
+        a, b = _align(xs[0], len(shape)), _align(xs[1], len(shape))
+        if lengths is None:
+            return fn(a, b)
+        mask = _padding(lengths, a if aligned & 1 else b)
+        if b_padding and aligned & 2:
+            b = b.masked_fill(mask, b_padding)
+        out = fn(a, b)
+        return out if keeps_zeros(aligned) else out.masked_fill(mask, 0.0)
+
+    op = Op(name, kernel, cheap=True, padded=True, result_length=True, rule="binary")
     return _core.Rule(op, doc=f"{name}(a, b): elementwise, NumPy broadcasting of the shapes.")
 
 
-add = _binary("add", torch.add)
-sub = _binary("sub", torch.sub)
-cmult = mul = _binary("mul", torch.mul)
-cdiv = div = _binary("div", torch.div)
+add = _binary("add", torch.add, keeps_zeros=lambda aligned: aligned == BOTH)
+sub = _binary("sub", torch.sub, keeps_zeros=lambda aligned: aligned == BOTH)
+cmult = mul = _binary("mul", torch.mul, keeps_zeros=lambda aligned: True)
+cdiv = div = _binary("div", torch.div, keeps_zeros=lambda aligned: bool(aligned & 1),
+                     b_padding=1.0)
 
 
 # ---- products ----------------------------------------------------------------------------
@@ -382,14 +422,25 @@ concat = _core.Rule(CONCAT, positional=_CONCAT_POSITIONAL,
 
 
 # ---- reductions and losses -------------------------------------------------------------------
-def _reduction(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    op = Op(name, lambda xs, attr, shape: fn(xs[0].reshape(xs[0].shape[0], -1)), rule="reduce")
+def _reduction(name: str, fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
+    """A scalar of each node's elements, `fn(x flat, count)`. Padded: of a length-led input it
+    batches across lengths; the padding is zeros, which add nothing, and `count` is each
+    node's own number of elements (None when they are equal)."""
+    def kernel(xs, attr, shape, lengths=None):
+        x = xs[0].reshape(xs[0].shape[0], -1)
+        if lengths is None:
+            return fn(x, None)
+        row = math.prod(xs[0].shape[2:])
+        return fn(x, torch.as_tensor(lengths * row, dtype=x.dtype, device=x.device))
+
+    op = Op(name, kernel, padded=True, rule="reduce")
     return _core.Rule(op, doc=f"{name}(x): a scalar per instance.")
 
 
-sum_elems = _reduction("sum_elems", lambda x: x.sum(1))
-mean_elems = _reduction("mean_elems", lambda x: x.mean(1))
-squared_norm = _reduction("squared_norm", lambda x: (x * x).sum(1))
+sum_elems = _reduction("sum_elems", lambda x, count: x.sum(1))
+mean_elems = _reduction("mean_elems",
+                        lambda x, count: x.mean(1) if count is None else x.sum(1) / count)
+squared_norm = _reduction("squared_norm", lambda x, count: (x * x).sum(1))
 
 
 @_core.own_time
@@ -409,8 +460,10 @@ def squared_distance(a: Operand, b: Operand) -> Expression:
 
 
 def _padding(lengths: np.ndarray, x: torch.Tensor) -> torch.Tensor:
-    """`[B, longest]`: True where a node's vector (the rows of `x`) is padding."""
-    return torch.from_numpy(np.arange(x.shape[1]) >= lengths[:, None]).to(x.device)
+    """`[B, longest, 1, ...]` (as many dims as `x`): True where a node's rows of `x` (its
+    vector's elements, its matrix's rows) are padding."""
+    mask = torch.from_numpy(np.arange(x.shape[1]) >= lengths[:, None]).to(x.device)
+    return mask.view(*mask.shape, *([1] * (x.dim() - 2)))
 
 
 def _softmax(name: str, fn: Callable[[torch.Tensor, int], torch.Tensor]):
@@ -447,7 +500,7 @@ def softmax(x: Operand | Sequence[Operand]) -> Expression | list[Expression]:
     return _softmax_vector(x)
 
 
-def _pick_kernel(xs, attr, shape):
+def _pick_kernel(xs, attr, shape, lengths=None):
     x, (_, index) = xs[0], attr
     rows = torch.arange(len(index), device=x.device)
     return x.expand(len(index), *x.shape[1:])[rows, _index(index, x)]
@@ -465,7 +518,7 @@ def _pnls_kernel(xs, attr, shape, lengths):
 
 # Signature (name, shape of x); attr the index, checked and made non-negative at the call.
 # pick_neg_log_softmax is padded: (name, (n,)) for vectors of any length.
-PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, rule="pick")
+PICK = Op("pick", _pick_kernel, per_node_attrs=True, cheap=True, padded=True, rule="pick")
 PICK_NLS = Op("pick_neg_log_softmax", _pnls_kernel, per_node_attrs=True, padded=True,
               rule="pick_nls")
 pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` along the first "

@@ -63,7 +63,7 @@ def make_params(dtype: torch.dtype = torch.float32, seed: int = 0) -> Params:
         "W_add": (H, 2 * H), "W_sub": (H, 2 * H), "W_mul": (H, 2 * H), "W_max": (H, 2 * H),
         "b_op": (H,), "A": (H, H), "Bm": (H, H), "W_comp": (H, 2 * H), "b_comp": (H,),
         "W_track": (H, 3 * H), "b_track": (H,), "W_iou": (3 * H, H), "U_iou": (3 * H, H),
-        "b_iou": (3 * H,), "W_exit": (1, H),
+        "b_iou": (3 * H,), "W_exit": (1, H), "Wa": (H, H), "Ua": (H, H), "va": (H,),
     }
     return Params((name, p(*shape)) for name, shape in names.items())
 
@@ -304,6 +304,29 @@ def tree_to_sequence_loss(B, P, instance):
     return B.esum(losses)
 
 
+# ---- a decoder with additive attention over a sentence ----------------------------------------
+def make_translation(rng: random.Random):
+    return ([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))],
+            [rng.randrange(LABELS) for _ in range(rng.randint(1, 5))])
+
+
+def bahdanau_loss(B, P, instance):
+    """A decoder with additive attention (Bahdanau et al. 2015) over the states of a sentence
+    of 1 to 9 words: at each step the scores `tanh(K Wa + s Ua) va` of its n source positions
+    (an (n, H) matrix plus a broadcast row, elementwise), their softmax and the context."""
+    source, target = instance
+    keys = B.stack([B.tanh(B.affine(P["M1"], B.lookup(P["E"], w), P["m1"])) for w in source])
+    projected = B.matmul(keys, P["Wa"])  # K Wa: once per sentence, (n, H)
+    s = B.tanh(B.matmul(P["A"], B.lookup(P["E"], source[-1])))
+    losses = []
+    for label in target:
+        scores = B.matmul(B.tanh(projected + B.matmul(s, P["Ua"])), P["va"])
+        context = B.matmul(B.softmax(scores), keys)
+        s = B.tanh(B.affine(P["M1"], s, P["m1"]) + B.matmul(P["Bm"], context))
+        losses.append(B.pick_neg_log_softmax(B.matmul(P["M2"], s), label))
+    return B.esum(losses)
+
+
 # ---- hierarchical RNN: words per sentence, then sentences ------------------------------------
 def make_document(rng: random.Random):
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
@@ -348,6 +371,7 @@ FAMILIES = (
     Family("child-sum-treelstm", make_nary_tree, child_sum_loss),
     Family("child-sum-cell", make_nary_tree, child_sum_cell_loss),
     Family("tree-to-seq-attention", make_tree_to_sequence, tree_to_sequence_loss),
+    Family("bahdanau-attention", make_translation, bahdanau_loss),
     Family("hierarchical-rnn", make_document, document_loss),
     Family("early-exit", make_early_exit, early_exit_loss, value_requests=True),
 )
