@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from flybatch.bench import report, runner
+import flybatch as fb
+from flybatch.bench import overhead, report, runner
 from flybatch.bench.tasks import MODES, create
 from flybatch.bench.tasks_data import minibatches, prepare, tree_nodes
 
@@ -131,6 +132,23 @@ def test_every_mode_reports_gflops_next_to_the_gemm_peak(tmp_path, datasets, cap
     row = next(ln for ln in table.split("**GFLOP/s vs peak**")[1].splitlines()
                if ln.startswith("| treelstm |"))
     assert row.count("%)") == 4
+
+
+def test_overhead_forward_splits_its_time_into_kernels_and_fixed_cost():
+    row = overhead.measure_forward("agenda", steps=10, scattered=False)
+    assert row["nodes"] == overhead.PARSERS * 5  # concat, affine, tanh, matmul, loss
+    assert 0 < row["kernel_us"] < row["forward_us"]
+    assert 0 < row["fixed_us"] < row["forward_us"]
+
+
+def test_kernel_time_is_counted_only_when_asked():
+    with fb.Graph() as graph:
+        x = fb.tanh(fb.input(torch.ones(3)))
+        graph.forward()
+        assert graph.kernel_seconds is None  # off by default: no clock read per batch
+        graph.kernel_seconds = 0.0
+        fb.tanh(x).value()
+        assert graph.kernel_seconds > 0
 
 
 def test_mismatched_losses_fail_loudly():

@@ -25,6 +25,7 @@ module runs it with torch.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -132,7 +133,7 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
             rows = indices.rows(at, length, tensor)
             graph.gathers += 1
         index = torch.from_numpy(picked[done:done + size]).to(tensor.device)
-        out.append(tensor[rows, index])
+        out.append(_guarded(graph, nodes, tensor.__getitem__, (rows, index)))
         done += size
     value = out[0] if len(out) == 1 else torch.cat(out)
     if inverse is not None:
@@ -164,9 +165,15 @@ def _refresh_parameters(graph: "Graph") -> None:
 
 def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
     """Run a batch's kernel; a failure names the op, its signature and nodes (and, in debug
-    mode, the lines that wrote them) instead of surfacing as a bare torch error."""
+    mode, the lines that wrote them) instead of surfacing as a bare torch error. Its time is
+    added to `graph.kernel_seconds` when that counter is on."""
     try:
-        return kernel(*args)
+        if graph.kernel_seconds is None:
+            return kernel(*args)
+        start = time.perf_counter()
+        out = kernel(*args)
+        graph.kernel_seconds += time.perf_counter() - start
+        return out
     except Exception as error:
         first = int(nodes[0])
         shown = ", ".join(f"#{int(v)}" for v in nodes[:5]) + (", ..." if len(nodes) > 5 else "")

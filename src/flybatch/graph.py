@@ -283,6 +283,10 @@ class Graph(_core.Store):
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
         self.gathers_avoided = 0
+        # Seconds spent inside batch kernels, summed over forwards, when a benchmark asks for
+        # it by setting 0.0 (None: off, so a forward pays no clock read per batch). A forward's
+        # time minus its kernels' is flybatch's fixed cost per forward (issue 10).
+        self.kernel_seconds: float | None = None
         self.forwards = 0  # forwards that executed pending nodes (map_batched counts rounds by it)
         self.seconds = {"build": 0.0, "schedule": 0.0, "forward": 0.0, "backward": 0.0}
         # Set by `map_batched`: called before a value request forces a forward, so that the
