@@ -142,6 +142,17 @@ void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
   }
 }
 
+// Whether every argument of every node of a batch is a row of ONE result: then one gather of
+// them all, node after node, is the whole [B, k, ...] stacked argument, where a read per
+// argument position would gather k times and the kernel copy them once more to concatenate.
+bool one_result(const ScheduledForward& f, const i64* nodes, std::size_t size) {
+  const i64 source = f.node_batch[f.arg_flat[f.arg_ptr[nodes[0]]]];
+  for (std::size_t row = 0; row < size; ++row)
+    for (i64 i = f.arg_ptr[nodes[row]]; i < f.arg_ptr[nodes[row] + 1]; ++i)
+      if (f.node_batch[f.arg_flat[i]] != source) return false;
+  return true;
+}
+
 }  // namespace
 
 ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
@@ -189,7 +200,8 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
         plan.indices.push_back(items);
       }
       if (!column.empty()) read_column();
-    } else if (layout.stack_from && arity >= layout.stack_from) {
+    } else if (layout.stack_from && arity > 1 &&
+               (arity >= layout.stack_from || one_result(f, nodes, size))) {
       // ONE read of every argument of every node, node after node.
       column.clear();
       for (std::size_t row = 0; row < size; ++row)

@@ -193,6 +193,29 @@ def test_a_variadic_op_of_many_arguments_is_one_stacked_read():
         assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 16)]
 
 
+def test_a_variadic_op_whose_arguments_are_all_rows_of_one_result_is_one_stacked_read():
+    with fb.Graph(strategy="depth") as g:
+        hs = [fb.tanh(x) for x in _inputs(4)]
+        joined = [fb.concat([hs[3], hs[0]]), fb.concat([hs[1], hs[1]])]
+        planned = Planned(g)
+        batch = planned.batch_of(joined[0])
+        read_ids, stacked, *_ = planned.batch_reads[batch]
+        assert stacked == 2 and len(read_ids) == 1
+        assert planned.reads[read_ids[0]][:2] == ("rows", planned.batch_of(hs[0]))
+        arguments = [u for v in planned.schedule.batches[batch] for u in g.args_of(int(v))]
+        assert planned.positions(read_ids[0], 4) == [  # node after node
+            (int(g.node_batch[u]), int(g.node_row[u])) for u in arguments]
+
+
+def test_a_variadic_op_reading_several_results_reads_argument_by_argument():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(2)
+        joined = fb.concat([fb.tanh(xs[0]), fb.sigmoid(xs[1])])
+        planned = Planned(g)
+        read_ids, stacked, *_ = planned.batch_reads[planned.batch_of(joined)]
+        assert stacked == 0 and len(read_ids) == 2  # two views, concatenated by the kernel
+
+
 # ---- fan-outs ----------------------------------------------------------------------------------
 def test_a_result_read_in_disjoint_runs_is_split_once_into_pieces():
     with fb.Graph(strategy="depth") as g:
@@ -356,3 +379,57 @@ def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one
         with counting:
             loss.backward()
     assert counting.count == 1
+
+
+# ---- concat of rows of one result: one stacked read, eager values and gradients ----------------
+# Each step scores three concats of encoder rows (one repeated), and reads two encoder rows with
+# other ops too (so the result is also read in pieces); "mixed" adds a concat reading another
+# result, so its batch reads argument by argument.
+FEATURES = [(0, 2, 5), (5, 5, 1), (3, 4, 0)]
+
+
+def _scored_features(W, E, U, strategy, earlier, mixed):
+    """Losses and gradients of two steps over a 6-token encoder: computed by the steps'
+    forward (earlier=False) or by an earlier one, each step then its own forward."""
+    with fb.Graph(strategy=strategy) as g:
+        states = [fb.tanh(W @ fb.lookup(E, i)) for i in range(6)]
+        other = fb.sigmoid(W @ fb.lookup(E, 1))
+        if earlier:
+            g.forward()
+        losses = []
+        for step in range(2):
+            features = [[states[(i + step) % 6] for i in f] for f in FEATURES]
+            if mixed:
+                features.append([states[step], other, states[4]])
+            losses += [fb.sum_elems(U @ fb.concat(f)) for f in features]
+            losses += [fb.sum_elems(fb.sigmoid(states[i])) for i in (1, 3 + step)]
+            if earlier:
+                g.forward()
+        loss = fb.esum(losses)
+        loss.backward()
+        return [v.item() for v in losses], (W.grad, E.grad, U.grad)
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+@pytest.mark.parametrize("earlier", [False, True], ids=["this forward", "earlier forward"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one result", "mixed"])
+def test_a_concat_of_rows_of_one_result_gives_eager_values_and_gradients(strategy, earlier,
+                                                                        mixed):
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    U = torch.nn.Parameter(torch.randn(2, 12, dtype=torch.float64))
+    states = [torch.tanh(W @ E[i]) for i in range(6)]
+    other = torch.sigmoid(W @ E[1])
+    losses = []
+    for step in range(2):
+        features = [[states[(i + step) % 6] for i in f] for f in FEATURES]
+        if mixed:
+            features.append([states[step], other, states[4]])
+        losses += [(U @ torch.cat(f)).sum() for f in features]
+        losses += [torch.sigmoid(states[i]).sum() for i in (1, 3 + step)]
+    expected = torch.autograd.grad(sum(losses), (W, E, U))
+    values, grads = _scored_features(W, E, U, strategy, earlier, mixed)
+    torch.testing.assert_close(values, [v.item() for v in losses], rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
