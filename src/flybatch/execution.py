@@ -16,7 +16,8 @@ and adds every piece's gradient in.
 A result of an EARLIER forward (the parser's encoder states, read by each of ~100 later steps)
 cannot be fanned out once, since its readers come one forward at a time: its partial reads go
 through a `_GradientSink` instead, whose backward adds each read's gradient into one buffer
-per result (one zero tensor per result, not one per read).
+per result (one zero tensor per result, not one per read). A forward makes all its reads of
+earlier results first, in ONE autograd function (`_SinkReads`), however many results they read.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -52,8 +53,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
         graph=graph, first_batch=plan.first_batch, order=plan.order, ends=plan.ends)
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
-    for source in [s for s in fan_outs if s < plan.first_batch]:
-        _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
+    if plan.first_batch:
+        _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
     for nodes, (arg_reads, stacked, arities, widths, lengths, uneven) in zip(plan.batches,
                                                                              batch_reads):
@@ -70,11 +71,10 @@ def run(graph: "Graph", plan: Schedule) -> None:
             # padded op's nodes of different lengths.
             if graph.padded or lengths is not None:
                 widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
-                xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch, width)
+                xs = [_resolve(graph, r, reads, indices, pieces, width)
                       for r, width in zip(arg_reads, widths)]
             else:
-                xs = [_resolve(graph, r, reads, indices, pieces, plan.first_batch)
-                      for r in arg_reads]
+                xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
             if op.ragged:  # each node's number of list items
                 attr = indices.numpy[arities:arities + size]
             else:
@@ -103,7 +103,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
         if uneven:
             graph.padded.add(source)
         if source in fan_outs:
-            _fan_out(graph, source, fan_outs[source], indices, pieces, plan.first_batch)
+            _fan_out(graph, source, fan_outs[source], indices, pieces)
 
 
 def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
@@ -205,33 +205,79 @@ class _Indices:
 
 
 def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
-             pieces: dict[int, torch.Tensor], first_batch: int) -> None:
-    """Cut a result read in pieces into those pieces at once, so that backward builds one
-    gradient tensor for it instead of one zero-filled copy per piece."""
+             pieces: dict[int, torch.Tensor]) -> None:
+    """Cut a result of this forward read in pieces into those pieces at once, so that backward
+    builds one gradient tensor for it instead of one zero-filled copy per piece."""
     tensor = graph.values[source]
     if not tensor.requires_grad:
         return  # no backward to protect: the reads run as plain views and selects
     read_ids, gather, sizes, piece_of = fan_out
     if gather is None:  # disjoint runs: views of the result; backward concatenates
-        if source < first_batch:  # an earlier forward's result: each run into its sink
-            starts = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
-            parts = [_sink(graph, source).read(None, start, size)
-                     for start, size in zip(starts, sizes)]
-        else:
-            parts = torch.split(tensor, sizes)
+        parts = torch.split(tensor, sizes)
         graph.gathers_avoided += len(read_ids)
     else:  # one gather of every read's rows; backward adds them into one zero tensor
-        rows = indices.rows(gather, sum(sizes), tensor)
-        whole = _sink(graph, source).read(rows) if source < first_batch else \
-            tensor.index_select(0, rows)
-        parts = torch.split(whole, sizes)
+        parts = torch.split(tensor.index_select(0, indices.rows(gather, sum(sizes), tensor)),
+                            sizes)
         graph.gathers += len(read_ids)
     for k, piece in zip(read_ids, piece_of):
         pieces[k] = parts[piece]
 
 
+def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, indices: _Indices,
+                          pieces: dict[int, torch.Tensor], first_batch: int) -> None:
+    """Make every partial read of an earlier forward's result that autograd tracks (a fan-out's
+    gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
+    `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
+    parser or of `map_batched` reads rows of several earlier results."""
+    values = graph.values
+    specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
+    served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
+    fanned: set[int] = set()
+    for source, (read_ids, gather, sizes, piece_of) in fan_outs.items():
+        if source >= first_batch or not values[source].requires_grad:
+            continue
+        fanned.update(read_ids)
+        sink = _sink(graph, source)
+        if gather is None:  # disjoint runs: a read of each run read
+            starts = np.cumsum((0,) + sizes).tolist()
+            for piece in sorted(set(piece_of)):
+                specs.append((sink, None, starts[piece], sizes[piece]))
+                served.append(([k for k, p in zip(read_ids, piece_of) if p == piece], None))
+            graph.gathers_avoided += len(read_ids)
+        else:
+            specs.append((sink, indices.rows(gather, sum(sizes), sink.tensor), 0, 0))
+            served.append((read_ids, (sizes, piece_of)))
+            graph.gathers += len(read_ids)
+    for k, read in enumerate(reads):
+        kind, source = read[0], read[1]
+        if kind == "multi" or source >= first_batch or k in fanned:
+            continue
+        tensor = values[source]
+        if not tensor.requires_grad or (kind == "view" and read[3] == tensor.shape[0]):
+            continue  # no backward to protect, or the whole result: read in place
+        if kind == "view":
+            specs.append((_sink(graph, source), None, read[2], read[3]))
+            graph.gathers_avoided += 1
+        else:
+            specs.append((_sink(graph, source), indices.rows(read[2], read[3], tensor), 0, 0))
+            graph.gathers += 1
+        served.append(((k,), None))
+    if not specs:
+        return
+    sinks = list({id(spec[0]): spec[0] for spec in specs}.values())
+    outputs = _SinkReads.apply(specs, sinks, *[sink.token for sink in sinks])
+    for output, (read_ids, split) in zip(outputs, served):
+        if split is None:
+            for k in read_ids:
+                pieces[k] = output
+        else:
+            parts = torch.split(output, split[0])
+            for k, piece in zip(read_ids, split[1]):
+                pieces[k] = parts[piece]
+
+
 def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
-             pieces: dict[int, torch.Tensor], first_batch: int, width: int = -1) -> torch.Tensor:
+             pieces: dict[int, torch.Tensor], width: int = -1) -> torch.Tensor:
     """The tensor of read `k`; with a `width` >= 0, its rows narrowed or padded to it."""
     piece = pieces.pop(k, None)
     if piece is not None:
@@ -241,22 +287,15 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
     if kind == "view":
         _, source, start, length = read
         graph.gathers_avoided += 1
-        tensor = graph.values[source]
-        if source < first_batch and tensor.requires_grad and length < tensor.shape[0]:
-            return _fit(_sink(graph, source).read(None, start, length), width)
-        return _fit(_rows(tensor, start, length), width)
+        return _fit(_rows(graph.values[source], start, length), width)
     if kind == "rows":
         _, source, at, length = read
         graph.gathers += 1
         tensor = graph.values[source]
-        rows = indices.rows(at, length, tensor)
-        if source < first_batch and tensor.requires_grad:
-            return _fit(_sink(graph, source).read(rows), width)
-        return _fit(tensor.index_select(0, rows), width)
+        return _fit(tensor.index_select(0, indices.rows(at, length, tensor)), width)
     _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, first_batch, width)
-                         for p in parts])
+    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, width) for p in parts])
     if inverse is None:
         return stacked
     return stacked.index_select(0, indices.rows(inverse, rows, stacked))
@@ -276,7 +315,8 @@ class _GradientSink:
 
     Autograd's own `index_select` / `narrow` backward makes a zero tensor the size of the
     whole result per read, and adds them: O(reads x result) for a result read by many later
-    forwards. Here each read (`_SinkRead`) adds its gradient rows into ONE buffer, and the
+    forwards. Here each read (an output of `_SinkReads`) adds its gradient rows into ONE buffer,
+    and the
     sink's `token` (a 0-dim output of `_Collect`, an input of every read) hands the buffer to
     the result's own backward once all reads have run: the engine runs `_Collect`'s backward
     only after every function that consumed the token. Equal gradients, by construction.
@@ -288,10 +328,6 @@ class _GradientSink:
         self.tensor = tensor
         self.grad: torch.Tensor | None = None
         self.token = _Collect.apply(tensor, self)
-
-    def read(self, rows: torch.Tensor | None, start: int = 0, length: int = 0) -> torch.Tensor:
-        """Rows `rows` of the result (or the run start..start+length), tracked by the sink."""
-        return _SinkRead.apply(self.token, self, rows, start, length)
 
     def add(self, rows: torch.Tensor | None, start: int, grad: torch.Tensor) -> None:
         if self.grad is None:
@@ -317,18 +353,24 @@ class _Collect(torch.autograd.Function):
         return ctx.sink.take(), None
 
 
-class _SinkRead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, token, sink, rows, start, length):
-        ctx.sink, ctx.rows, ctx.start = sink, rows, start
-        if rows is None:
-            return sink.tensor.narrow(0, start, length)
-        return sink.tensor.index_select(0, rows)
+class _SinkReads(torch.autograd.Function):
+    """Reads of results of earlier forwards, one output per (sink, rows or None, start,
+    length): the rows `rows` of the sink's result, or its run start..start+length. Its inputs
+    are the tokens of `sinks`; backward adds each output's gradient into its sink."""
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.add(ctx.rows, ctx.start, grad)
-        return grad.new_zeros(()), None, None, None, None
+    def forward(ctx, specs, sinks, *tokens):
+        ctx.specs, ctx.sinks = specs, sinks
+        ctx.set_materialize_grads(False)  # an output nobody used gets no zero-filled gradient
+        return tuple(sink.tensor.narrow(0, start, length) if rows is None else
+                     sink.tensor.index_select(0, rows) for sink, rows, start, length in specs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for (sink, rows, start, _), grad in zip(ctx.specs, grads):
+            if grad is not None:
+                sink.add(rows, start, grad)
+        return (None, None, *[sink.token.new_zeros(()) for sink in ctx.sinks])
 
 
 def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
