@@ -142,14 +142,35 @@ void plan_fan_out(const ScheduledForward& f, ReadPlan& plan, FanOut& fan) {
   }
 }
 
-// Whether every argument of every node of a batch is a row of ONE result: then one gather of
-// them all, node after node, is the whole [B, k, ...] stacked argument, where a read per
-// argument position would gather k times and the kernel copy them once more to concatenate.
+// When a variadic op stacks its arguments below `stack_from`: ONE read of them all, node after
+// node, viewed as [B, k, ...], against a read per argument position and the kernel's copy to
+// concatenate them. Stacked when every argument of every node is a row of ONE result (one
+// gather instead of k and a concatenation), or when no position is a zero-copy view (one
+// gather per result read instead of one per position and result; the positions' own
+// concatenations and reorderings become one).
 bool one_result(const ScheduledForward& f, const i64* nodes, std::size_t size) {
   const i64 source = f.node_batch[f.arg_flat[f.arg_ptr[nodes[0]]]];
   for (std::size_t row = 0; row < size; ++row)
     for (i64 i = f.arg_ptr[nodes[row]]; i < f.arg_ptr[nodes[row] + 1]; ++i)
       if (f.node_batch[f.arg_flat[i]] != source) return false;
+  return true;
+}
+
+// Whether no argument position would be read as a view (Planner::read): one node for every
+// row, or a run of consecutive rows of one result.
+bool no_view(const ScheduledForward& f, const i64* nodes, std::size_t size, i64 arity) {
+  if (size == 1) return false;
+  for (i64 j = 0; j < arity; ++j) {
+    const i64 first = f.arg_flat[f.arg_ptr[nodes[0]] + j];
+    bool one_node = true, run = true;
+    for (std::size_t row = 1; row < size && (one_node || run); ++row) {
+      const i64 v = f.arg_flat[f.arg_ptr[nodes[row]] + j];
+      const i64 u = f.arg_flat[f.arg_ptr[nodes[row - 1]] + j];
+      one_node = one_node && v == first;
+      run = run && f.node_batch[v] == f.node_batch[first] && f.node_row[v] == f.node_row[u] + 1;
+    }
+    if (one_node || run) return false;
+  }
   return true;
 }
 
@@ -201,7 +222,8 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
       }
       if (!column.empty()) read_column();
     } else if (layout.stack_from && arity > 1 &&
-               (arity >= layout.stack_from || one_result(f, nodes, size))) {
+               (arity >= layout.stack_from || one_result(f, nodes, size) ||
+                no_view(f, nodes, size, arity))) {
       // ONE read of every argument of every node, node after node.
       column.clear();
       for (std::size_t row = 0; row < size; ++row)

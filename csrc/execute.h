@@ -18,7 +18,7 @@ struct ArgumentLayout {
   bool ragged = false;  // lists of any length in one batch: ONE read of every item, flat,
   i64 fixed = 0;        // after its first `fixed` arguments (ragged only), read one by one
   i64 stack_from = 0;   // variadic: from this arity on, ONE read of all arguments (0: never);
-                        // below it too when they are all rows of one result
+                        // below it too when that saves gathers (execute.cpp)
   // Arguments whose leading dim (a length) may differ from node to node in one batch: they
   // are read padded to the column's longest, and the kernel gets each node's length.
   bool padded = false;

@@ -207,13 +207,32 @@ def test_a_variadic_op_whose_arguments_are_all_rows_of_one_result_is_one_stacked
             (int(g.node_batch[u]), int(g.node_row[u])) for u in arguments]
 
 
-def test_a_variadic_op_reading_several_results_reads_argument_by_argument():
+def test_a_variadic_op_reading_runs_of_several_results_reads_argument_by_argument():
     with fb.Graph(strategy="depth") as g:
         xs = _inputs(2)
-        joined = fb.concat([fb.tanh(xs[0]), fb.sigmoid(xs[1])])
+        hs, ss = [fb.tanh(x) for x in xs], [fb.sigmoid(x) for x in xs]
+        joined = [fb.concat([h, s]) for h, s in zip(hs, ss)]
         planned = Planned(g)
-        read_ids, stacked, *_ = planned.batch_reads[planned.batch_of(joined)]
-        assert stacked == 0 and len(read_ids) == 2  # two views, concatenated by the kernel
+        read_ids, stacked, *_ = planned.batch_reads[planned.batch_of(joined[0])]
+        assert stacked == 0  # two views, concatenated by the kernel: one copy
+        assert [planned.reads[k] for k in read_ids] == [
+            ("view", planned.batch_of(hs[0]), 0, 2), ("view", planned.batch_of(ss[0]), 0, 2)]
+
+
+def test_a_variadic_op_whose_arguments_need_gathers_from_several_results_is_one_stacked_read():
+    with fb.Graph(strategy="depth") as g:
+        xs = _inputs(3)
+        hs, ss = [fb.tanh(x) for x in xs], [fb.sigmoid(x) for x in xs]
+        joined = [fb.concat([hs[2], ss[0]]), fb.concat([ss[1], hs[0]])]
+        planned = Planned(g)
+        batch = planned.batch_of(joined[0])
+        read_ids, stacked, *_ = planned.batch_reads[batch]
+        assert stacked == 2 and len(read_ids) == 1
+        kind, parts, *_ = planned.reads[read_ids[0]]
+        assert kind == "multi" and len(parts) == 2  # one gather per result, not per position
+        arguments = [u for v in planned.schedule.batches[batch] for u in g.args_of(int(v))]
+        assert planned.positions(read_ids[0], 4) == [
+            (int(g.node_batch[u]), int(g.node_row[u])) for u in arguments]
 
 
 # ---- fan-outs ----------------------------------------------------------------------------------

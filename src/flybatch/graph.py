@@ -40,8 +40,8 @@ class Op:
     each node's int, its index or row, kept by the store without a Python object per node) and
     the per-instance output shape; it returns `[B, *shape]` (or `[1, *shape]`, expanded by the executor).
     Variadic ops with at least `stack_from` arguments of equal shape get ONE stacked argument
-    `[B, k, *shape]` gathered in a single copy instead of k separate ones (with fewer, when
-    every argument of the batch is a row of one result).
+    `[B, k, *shape]` gathered in a single copy instead of k separate ones (with fewer too,
+    unless some argument position is a zero-copy view: see csrc/execute.cpp).
     """
 
     name: str
