@@ -79,9 +79,10 @@ def run(graph: "Graph", plan: Schedule) -> None:
                 attr = indices.numpy[arities:arities + size]
             else:
                 if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                    arg_shape = shape_of(graph.args_of(first)[0])
-                    xs[0] = xs[0].expand(size * stacked, *arg_shape).reshape(size, stacked,
-                                                                             *arg_shape)
+                    x, arg_shape = xs[0], xs[0].shape[1:]
+                    if x.shape[0] != size * stacked:  # one node read by all, broadcast
+                        x = x.expand(size * stacked, *arg_shape)
+                    xs[0] = x.reshape(size, stacked, *arg_shape)
                 attr = attr_of(first)
                 if op.per_node_attrs:  # and each node's int (index, row), read in one call
                     attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))

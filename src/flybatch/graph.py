@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from . import _core, signatures
+from . import _core, execution, scheduling, signatures
 from .errors import GraphError, ShapeError
 
 Shape = tuple[int, ...]
@@ -476,8 +476,6 @@ class Graph(_core.Store):
         The graph may keep growing afterwards: the next forward runs only the new nodes and
         reads the earlier results where it needs them (incremental forward).
         """
-        from . import execution, scheduling  # the stages after this one
-
         self._check_open()
         start, end = self.n_done, self.n_nodes
         if end > start:
