@@ -452,3 +452,51 @@ def test_a_concat_of_rows_of_one_result_gives_eager_values_and_gradients(strateg
     torch.testing.assert_close(values, [v.item() for v in losses], rtol=1e-12, atol=1e-12)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _autograd_functions(tensor: torch.Tensor) -> list[str]:
+    """The names of the autograd functions `tensor` was computed through (each once)."""
+    seen, todo, names = set(), [tensor.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo += [next_fn for next_fn, _ in fn.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_function(strategy):
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    with fb.Graph(strategy=strategy) as g:
+        sequences = []
+        for offset in (0, 1):  # two sequences: each step's result holds two rows
+            h, states = fb.zeros(4), []
+            for i in range(3):
+                h = fb.tanh(W @ h + fb.lookup(E, i + offset))
+                states.append(h)
+            sequences.append(states)
+        g.forward()
+        # Rows of three results, one of them read twice.
+        reads = [sequences[0][0], sequences[0][2], sequences[1][1], sequences[0][2]]
+        losses = [fb.sum_elems(fb.sigmoid(W @ h)) for h in reads]
+        value = fb.esum(losses).value()
+        value.backward()
+    if strategy != "none":  # (one batch per node: no result holds two rows)
+        assert _autograd_functions(value).count("_SinkReadsBackward") == 1
+    eager = []
+    for offset in (0, 1):
+        h, states = torch.zeros(4, dtype=torch.float64), []
+        for i in range(3):
+            h = torch.tanh(W @ h + E[i + offset])
+            states.append(h)
+        eager.append(states)
+    expected = sum(torch.sigmoid(W @ h).sum()
+                   for h in [eager[0][0], eager[0][2], eager[1][1], eager[0][2]])
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip((W.grad, E.grad), torch.autograd.grad(expected, (W, E))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
