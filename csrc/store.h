@@ -64,11 +64,11 @@ class Owned {
 // ---- own time: flybatch's part of a graph's build ----------------------------------------------
 // A graph's build time (between its forwards) is the user's per-instance Python plus flybatch's
 // op calls. To report the two apart (the bench's `build_user`), every entry from Python into op
-// creation is an OwnTimeScope: the rules and operators (rules.cpp), the capture's front end
-// (capture.cpp), and the Python functions and fb.nn modules wrapped by `_core.own_time`
-// (store.cpp). Only the outermost of nested scopes reads the clock, and only while measuring is
-// on (`_core.measure_own_time`): off, a scope costs one branch. One interpreter lock, so plain
-// statics suffice.
+// creation is an OwnTimeScope: the rules and operators (rules.cpp), the fused-module nodes
+// (fused.cpp), the capture's front end (capture.cpp), and the Python functions and fb.nn
+// modules wrapped by `_core.own_time` (store.cpp). Only the outermost of nested scopes reads
+// the clock, and only while measuring is on (`_core.measure_own_time`): off, a scope costs one
+// branch. One interpreter lock, so plain statics suffice.
 struct OwnTime {
   static inline bool measuring = false;
   static inline int depth = 0;          // open counted scopes
@@ -270,6 +270,7 @@ extern PyMappingMethods expression_mapping;
 
 PyObject* register_store(PyObject* module);
 bool register_rules(PyObject* module);
+bool register_fused(PyObject* module);
 bool register_capture(PyObject* module);
 
 }  // namespace flybatch

@@ -92,7 +92,7 @@ class State(_core.State):
     """
 
     # `State(hc, hidden)`, its fields `hc` and `hidden` and the properties `h` (the output, or
-    # hidden state) and `c` (the memory cell) are the compiled core's (csrc/rules.cpp): a cell
+    # hidden state) and `c` (the memory cell) are the compiled core's (csrc/fused.cpp): a cell
     # call makes its State in C, and reading `h` or `c` makes the slice node once.
     __slots__ = ()
 
