@@ -957,15 +957,17 @@ _ROWS_CHEAP = Op("torch", _rows_kernel, padded=True, cheap=True)
 
 def _rows_plan(call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
                shared: tuple[bool, ...], fills: tuple = (), zero_padding: bool = False,
-               cheap: bool = False) -> Any:
-    """The plan of a row-wise call whose per-instance operands all lead with one length n:
-    its signature is (label, fn, each operand's shape with n for its leading dim), with the
+               cheap: bool = False, whole: tuple[int, ...] = ()) -> Any:
+    """The plan of a row-wise call whose per-instance operands all lead with one length n
+    (but those at `whole`, which have no rows: an instance's own class weights): its
+    signature is (label, fn, each operand's shape with n for its leading dim), with the
     shared operands' nodes. NotImplemented where an operand has no rows or another length."""
-    lengths = {s[0] if s else None for (s, _), p in zip(call.operands, shared) if not p}
+    lengths = {s[0] if s else None for k, ((s, _), p) in enumerate(zip(call.operands, shared))
+               if not p and k not in whole}
     if len(lengths) != 1 or None in lengths or (shape and shape[0] not in lengths):
         return NotImplemented
-    operands = tuple("P" if p else (("n",) + tuple(s[1:]), d)
-                     for (s, d), p in zip(call.operands, shared))
+    operands = tuple("P" if p else (s, d) if k in whole else (("n",) + tuple(s[1:]), d)
+                     for k, ((s, d), p) in enumerate(zip(call.operands, shared)))
     return _Plan((label, fn, operands), _ROWS_CHEAP if cheap else ROWS, shape, dtype,
                  (fn, shared, fills, zero_padding), tuple(i for i, p in enumerate(shared) if p),
                  f"{label} rows")
@@ -1244,14 +1246,17 @@ def _loss(func: Callable, n_inputs: int):
         if any(type(v) is not _Slot for v in inputs) or \
                 any(isinstance(v, _Slot) for v in bound.values()):
             return NotImplemented  # per-instance weights, pos_weight: generic
-        if weight is not None and (type(weight) is not _Slot or not call.params[weight.index]):
+        if weight is not None and type(weight) is not _Slot:
             return NotImplemented
+        own_weight = weight is not None and not call.params[weight.index]
+        if own_weight and not across_lengths:
+            return NotImplemented  # each instance's own class weights (a plain tensor): generic
         if weighted and len(call.operands[inputs[0].index][0]) not in (1, 2):
             return NotImplemented  # (N, C, d1...) inputs: generic
         shape, dtype = _meta_of(func, call)
         slots = tuple(v.index for v in inputs)
         weight_slot = None if weight is None else weight.index
-        shared = tuple(i == weight_slot for i in range(len(call.nodes)))
+        shared = tuple(i == weight_slot and not own_weight for i in range(len(call.nodes)))
         fn = _Bound(_loss_from_slots, func, weighted, slots, weight_slot, reduction,
                     tuple(sorted(bound.items())), key=call.key)
         if not across_lengths:
@@ -1259,10 +1264,12 @@ def _loss(func: Callable, n_inputs: int):
         # Scores (n, C) of a length-led input and class targets (n,): the targets' padding
         # is ignore_index, so that padded rows add no loss, no count and no gradient.
         (x, _), (target, target_dtype) = (call.operands[i] for i in slots)
-        if not weighted or len(x) != 2 or target != x[:1] or target_dtype.is_floating_point:
+        if not weighted or len(x) != 2 or target != x[:1] or target_dtype.is_floating_point \
+                or own_weight and call.operands[weight_slot][0] != x[1:]:
             return NotImplemented
         fills = ((slots[1], bound.get("ignore_index", -100)),)
-        return _rows_plan(call, label, fn, shape, dtype, shared, fills)
+        return _rows_plan(call, label, fn, shape, dtype, shared, fills,
+                          whole=(weight_slot,) if own_weight else ())
 
     def rows(call):
         return build(call, across_lengths=True)
@@ -1334,20 +1341,24 @@ def _loss_batched(func, weighted, batch, reduction, has_weight, options):
     if weighted:
         x, target = tensors
         classes = x.shape[-1]
-        flat_x = x.reshape(-1, classes)
-        flat_t = target.reshape(-1)
-        losses = func(flat_x, flat_t, weight=weight, reduction="none", **options)
-        losses = losses.reshape(size, -1)
+        rows = target.reshape(size, -1)
+        classes_of_rows = rows.clamp(0, classes - 1)  # (an ignored target may be any int)
+        own = weight is not None and weight.dim() == 2  # each instance's class weights [B, C]
+        losses = func(x.reshape(-1, classes), rows.reshape(-1), weight=None if own else weight,
+                      reduction="none", **options).reshape(size, -1)
+        if own:  # w[t] * -x[t]: the product torch forms with a weight
+            losses = losses * weight.gather(1, classes_of_rows)
         if reduction == "none":
             return losses.reshape(target.shape)
         if reduction == "sum":
             return losses.sum(1)
         # mean: divided by the summed weights of each instance's targets (ignore_index: 0)
-        w = torch.ones(classes, dtype=x.dtype, device=x.device) if weight is None else weight
-        ignore = options.get("ignore_index", -100)
-        counted = torch.where(flat_t == ignore, torch.zeros((), dtype=x.dtype, device=x.device),
-                              w[flat_t.clamp(0, classes - 1)])
-        return losses.sum(1) / counted.reshape(size, -1).sum(1)
+        if weight is None:
+            weights = torch.ones_like(rows, dtype=x.dtype)
+        else:
+            weights = weight.gather(1, classes_of_rows) if own else weight[classes_of_rows]
+        counted = weights.masked_fill(rows == options.get("ignore_index", -100), 0.0)
+        return losses.sum(1) / counted.sum(1)
     losses = func(*tensors, reduction="none", **options)
     if reduction == "none":
         return losses
