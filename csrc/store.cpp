@@ -534,6 +534,11 @@ PyObject* store_is_no_grad(PyObject* self, PyObject* arg) {
       [&]() -> PyObject* { return PyBool_FromLong(s->nodes->no_grad[node_arg(s, arg)]); });
 }
 
+PyObject* store_length_led(PyObject* self, PyObject* arg) {
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* { return PyBool_FromLong(length_led(s, node_arg(s, arg))); });
+}
+
 enum ColumnName {
   kSigs, kDepths, kArgFlat, kOps, kArgPtr, kShapes, kNoGrad, kNodeBatch, kNodeRow, kBatchSizes,
   kUnknown
@@ -670,6 +675,9 @@ PyMethodDef kStoreMethods[] = {
     {"indices", store_indices, METH_O, kIndicesDoc},
     {"sig_of", store_sig_of, METH_O, "sig_of(node) -> int: the node's interned signature"},
     {"is_no_grad", store_is_no_grad, METH_O, "is_no_grad(node): written under torch.no_grad()"},
+    {"length_led", store_length_led, METH_O,
+     "length_led(node): whether the node's leading dim is a length (its signature writes it n,\n"
+     "so the ops of it may batch across lengths)"},
     {"view", store_view, METH_O, kViewDoc},
     {"grow_positions", store_grow_positions, METH_O,
      "grow_positions(n): room in the node_batch/node_row columns for nodes 0..n-1 (the\n"

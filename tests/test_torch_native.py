@@ -357,9 +357,12 @@ def test_child_sum_tree_lstm_trains_as_eagerly(strategy):
     # Nodes with 0, 1, 2 or 3 children differ in shape from `torch.cat` of the children on, so
     # their signatures interleave along the trees and no schedule meets the bound; launches
     # stay about as many as one tree's nodes times its ops, whatever the number of pairs. The
-    # agenda's heuristic, greedy on interleaved signatures, does worse here than `depth`.
-    ratio = {"depth": 1.6, "agenda": 2.6}[strategy]
-    assert batched.stats.batches <= ratio * batched.stats.lower_bound
+    # agenda's heuristic, greedy on interleaved signatures, does worse here than `depth`. (The
+    # embedding of every tree's words, whatever their number, is one launch, and its rows are
+    # length-led: the bound and the launches both count them once; the excess is the
+    # interleaving's.)
+    excess = {"depth": 71, "agenda": 190}[strategy]
+    assert batched.stats.batches - batched.stats.lower_bound <= excess
     assert batched.stats.batches * 8 < eager.ops
 
 

@@ -922,14 +922,89 @@ def _stack_rows(tensors, dim=0, **kwargs):
     return _stack(tensors, dim, **kwargs)
 
 
-def _padded_vector(fb_op: Callable, fallback: Callable) -> Callable:
+# ---- row-wise calls of length-led operands: one launch across lengths ---------------------
+# A sentence-level model's calls (an embedding of the sentence's words, a view to (n, 1, E), a
+# linear layer, a log_softmax over the classes, an NLL over the tokens) act on each row of an
+# operand whose leading dim is the sentence's length on its own. Where that operand is
+# length-led (ops.py: stored padded, its signature writes the length as n), or is the index of
+# an embedding, the call's signature writes the length as n too, and its node is a padded op:
+# sentences of every length run as ONE call on the padded [B, longest, ...] batch, each node
+# keeping its own shape, and its result is length-led in turn. Any other call, or one whose
+# operands disagree on the length, keeps the exact plan.
+def _led(x: Any) -> bool:
+    """Whether `x` is an expression whose leading dim is a length."""
+    return type(x) is Expression and x.graph.length_led(x.id)
+
+
+def _rows_kernel(xs, attr, shape, lengths=None):
+    """`fn` of the batch operands; with `lengths` (they differ), first each `fills` operand's
+    padding set to its value (an NLL target's to ignore_index), and after it, with
+    `zero_padding`, the result's padding zeroed where `fn` of zeros is not zeros (a bias, a
+    log_softmax): no padding reaches a real value, and no gradient reaches the padding."""
+    fn, shared, fills, zero_padding = attr
+    _, batch = _batch_operands(xs, shared)
+    if lengths is None:
+        return fn(batch)
+    for k, value in fills:
+        batch[k] = batch[k].masked_fill(ops._padding(lengths, batch[k]), value)
+    out = fn(batch)
+    return out.masked_fill(ops._padding(lengths, out), 0.0) if zero_padding else out
+
+
+ROWS = Op("torch", _rows_kernel, padded=True)
+_ROWS_CHEAP = Op("torch", _rows_kernel, padded=True, cheap=True)
+
+
+def _rows_plan(call: _Call, label: str, fn: Callable, shape: tuple, dtype: torch.dtype,
+               shared: tuple[bool, ...], fills: tuple = (), zero_padding: bool = False,
+               cheap: bool = False, whole: tuple[int, ...] = ()) -> Any:
+    """The plan of a row-wise call whose per-instance operands all lead with one length n
+    (but those at `whole`, which have no rows: an instance's own class weights): its
+    signature is (label, fn, each operand's shape with n for its leading dim), with the
+    shared operands' nodes. NotImplemented where an operand has no rows or another length."""
+    lengths = {s[0] if s else None for k, ((s, _), p) in enumerate(zip(call.operands, shared))
+               if not p and k not in whole}
+    if len(lengths) != 1 or None in lengths or (shape and shape[0] not in lengths):
+        return NotImplemented
+    operands = tuple("P" if p else (s, d) if k in whole else (("n",) + tuple(s[1:]), d)
+                     for k, ((s, d), p) in enumerate(zip(call.operands, shared)))
+    return _Plan((label, fn, operands), _ROWS_CHEAP if cheap else ROWS, shape, dtype,
+                 (fn, shared, fills, zero_padding), tuple(i for i, p in enumerate(shared) if p),
+                 f"{label} rows")
+
+
+def _across_lengths(handler: Callable, args: tuple, kwargs: dict | None, build: Callable,
+                    weights: tuple = ()) -> Any:
+    """`handler`'s call by its row-wise plan (`build`'s: a `_Plan` or NotImplemented), kept
+    apart from its exact plans (the operand shapes, which key plans, do not say what is a
+    length)."""
+    return _record((handler, "rows"), args, kwargs, build, weights)
+
+
+def _padded_vector(fb_op: Callable, func: Callable, label: str) -> Callable:
     """softmax / log_softmax over the one dim of a vector expression: the padded fb op, one
-    launch for vectors of every length (scores over source positions); else `fallback`."""
+    launch for vectors of every length (scores over source positions); over another dim than
+    the leading one of a length-led matrix (the tag scores of each word of a sentence), one
+    launch across lengths too; else the call shifted past the batch dim."""
+    fallback = _shifted(func, 1, label)
+
+    def rows(call):
+        (shape, _), = call.operands
+        dim = _dim(call.args[1], len(shape), label)
+        fn = _Bound(_apply_template, func, (call.args[0], dim), {}, key=(call.key, dim))
+        return _rows_plan(call, label, fn, shape, call.operands[0][1], (False,),
+                          zero_padding=True)
+
     def handler(x, dim=None, *args, **kwargs):
         if type(x) is Expression and not args and kwargs.get("dtype") is None \
-                and set(kwargs) <= {"dtype"} and dim in (0, -1) \
-                and len(x.shape) == 1 and _is_float(x.graph, x):
-            return fb_op(x)
+                and set(kwargs) <= {"dtype"} and _is_float(x.graph, x):
+            if dim in (0, -1) and len(x.shape) == 1:
+                return fb_op(x)
+            if type(dim) is int and len(x.shape) >= 2 and -len(x.shape) <= dim < len(x.shape) \
+                    and dim % len(x.shape) != 0 and _led(x):
+                out = _across_lengths(handler, (x, dim), None, rows)
+                if out is not NotImplemented:
+                    return out
         return fallback(x, dim, *args, **kwargs)
     return handler
 
@@ -967,11 +1042,31 @@ def _reshape_like(func: Callable):
         # an integer (or other non-graph-dtype) value must not share a batch with the floats.
         return _Plan(("reshape", old, tuple(shape), dtype), ops.RESHAPE, shape, dtype, None)
 
+    def rows(call):
+        """Of a length-led input, a reshape of each row ((n, E) <-> (n, 1, E)): across lengths."""
+        if len(call.nodes) != 1:
+            return NotImplemented
+        (old, old_dtype), = call.operands
+        shape, dtype = _meta_of(func, call)
+        if dtype != old_dtype or tuple(shape) == old or not shape or shape[0] != old[0]:
+            return NotImplemented
+        fn = _Bound(_reshape_rows, tuple(shape[1:]))
+        return _rows_plan(call, "reshape", fn, shape, dtype, (False,), cheap=True)
+
     def handler(x, *args, **kwargs):
         if not isinstance(x, Expression):
             return NotImplemented
+        if _led(x):
+            out = _across_lengths(handler, (x,) + args, kwargs, rows)
+            if out is not NotImplemented:
+                return out
         return _record(handler, (x,) + args, kwargs, build)
     return handler
+
+
+def _reshape_rows(row_shape, batch):
+    x = batch[0]
+    return x.reshape(x.shape[0], x.shape[1], *row_shape)
 
 
 def _linear(x, weight, bias=None):
@@ -983,6 +1078,17 @@ def _linear(x, weight, bias=None):
             return NotImplemented  # a per-instance weight: generic
         return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
 
+    def rows(call):  # of a length-led input (n, ..., D): each row, zeros again past a bias
+        shared = call.weights_shared()
+        if shared is None or len(call.operands[0][0]) < 2:
+            return NotImplemented
+        return _rows_plan(call, "linear", _linear_batched, *_meta_of(F.linear, call), shared,
+                          zero_padding=bias is not None)
+
+    if _led(x):
+        out = _across_lengths(_linear, operands, None, rows, (1, 2))
+        if out is not NotImplemented:
+            return out
     return _record(_linear, operands, None, build, (1, 2))
 
 
@@ -1016,8 +1122,28 @@ def _embedding(input, weight, *args, **kwargs):
             return _lookup_rows(g, weight, row, tuple(input.shape),
                                 bool(options.get("sparse", False)))
     if isinstance(input, (Expression, torch.Tensor)) and not _is_float(g, input):
+        if len(input.shape) == 1 and input.shape[0] > 1 and options.get("max_norm") is None \
+                and not options.get("sparse"):
+            out = _across_lengths(_embedding, (input, weight) + args, kwargs, _embedding_rows,
+                                  (1, "weight"))
+            if out is not NotImplemented:
+                return out
         return _embedding_as_is(input, weight, *args, **kwargs)
     return NotImplemented
+
+
+def _embedding_rows(call):
+    """A sentence's words (a 1-D index of two or more) into a shared table: one gather for
+    every length, whose result (n, E) is length-led. (The padding's index 0 gathers row 0,
+    zeroed: it adds only zeros to that row's gradient. With max_norm, which renormalises the
+    rows it reads, or a sparse gradient, which would list them, the exact path; and one
+    element is a row, as `torch.tensor([word])` is a row lookup, never a length.)"""
+    shared = call.weights_shared()
+    if shared is None:
+        return NotImplemented
+    fn = _Bound(_apply_template, F.embedding, call.args, call.kwargs, key=call.key)
+    return _rows_plan(call, "embedding", fn, *_meta_of(F.embedding, call), shared,
+                      zero_padding=True, cheap=True)
 
 
 def _constant_row(g: Graph, index: Any) -> int | None:
@@ -1108,7 +1234,7 @@ def _loss(func: Callable, n_inputs: int):
     label = func.__name__
     weighted = func in (F.nll_loss, F.cross_entropy)
 
-    def build(call):
+    def build(call, across_lengths=False):
         bound = _bind(func, call.args, call.kwargs)  # the template: operands are _Slots
         reduction = bound.pop("reduction", "mean")
         if any(bound.pop(legacy, None) is not None for legacy in ("size_average", "reduce")):
@@ -1120,21 +1246,41 @@ def _loss(func: Callable, n_inputs: int):
         if any(type(v) is not _Slot for v in inputs) or \
                 any(isinstance(v, _Slot) for v in bound.values()):
             return NotImplemented  # per-instance weights, pos_weight: generic
-        if weight is not None and (type(weight) is not _Slot or not call.params[weight.index]):
+        if weight is not None and type(weight) is not _Slot:
             return NotImplemented
+        own_weight = weight is not None and not call.params[weight.index]
+        if own_weight and not across_lengths:
+            return NotImplemented  # each instance's own class weights (a plain tensor): generic
         if weighted and len(call.operands[inputs[0].index][0]) not in (1, 2):
             return NotImplemented  # (N, C, d1...) inputs: generic
         shape, dtype = _meta_of(func, call)
         slots = tuple(v.index for v in inputs)
         weight_slot = None if weight is None else weight.index
-        shared = tuple(i == weight_slot for i in range(len(call.nodes)))
+        shared = tuple(i == weight_slot and not own_weight for i in range(len(call.nodes)))
         fn = _Bound(_loss_from_slots, func, weighted, slots, weight_slot, reduction,
                     tuple(sorted(bound.items())), key=call.key)
-        return label, fn, shape, dtype, shared, False
+        if not across_lengths:
+            return label, fn, shape, dtype, shared, False
+        # Scores (n, C) of a length-led input and class targets (n,): the targets' padding
+        # is ignore_index, so that padded rows add no loss, no count and no gradient.
+        (x, _), (target, target_dtype) = (call.operands[i] for i in slots)
+        if not weighted or len(x) != 2 or target != x[:1] or target_dtype.is_floating_point \
+                or own_weight and call.operands[weight_slot][0] != x[1:]:
+            return NotImplemented
+        fills = ((slots[1], bound.get("ignore_index", -100)),)
+        return _rows_plan(call, label, fn, shape, dtype, shared, fills,
+                          whole=(weight_slot,) if own_weight else ())
+
+    def rows(call):
+        return build(call, across_lengths=True)
 
     def handler(*args, **kwargs):
         if weighted:
             _check_classes(label, args, kwargs)
+            if _led(args[0] if args else kwargs.get("input")):
+                out = _across_lengths(handler, args, kwargs, rows)
+                if out is not NotImplemented:
+                    return out
         return _record(handler, args, kwargs, build)
 
     return handler
@@ -1195,20 +1341,24 @@ def _loss_batched(func, weighted, batch, reduction, has_weight, options):
     if weighted:
         x, target = tensors
         classes = x.shape[-1]
-        flat_x = x.reshape(-1, classes)
-        flat_t = target.reshape(-1)
-        losses = func(flat_x, flat_t, weight=weight, reduction="none", **options)
-        losses = losses.reshape(size, -1)
+        rows = target.reshape(size, -1)
+        classes_of_rows = rows.clamp(0, classes - 1)  # (an ignored target may be any int)
+        own = weight is not None and weight.dim() == 2  # each instance's class weights [B, C]
+        losses = func(x.reshape(-1, classes), rows.reshape(-1), weight=None if own else weight,
+                      reduction="none", **options).reshape(size, -1)
+        if own:  # w[t] * -x[t]: the product torch forms with a weight
+            losses = losses * weight.gather(1, classes_of_rows)
         if reduction == "none":
             return losses.reshape(target.shape)
         if reduction == "sum":
             return losses.sum(1)
         # mean: divided by the summed weights of each instance's targets (ignore_index: 0)
-        w = torch.ones(classes, dtype=x.dtype, device=x.device) if weight is None else weight
-        ignore = options.get("ignore_index", -100)
-        counted = torch.where(flat_t == ignore, torch.zeros((), dtype=x.dtype, device=x.device),
-                              w[flat_t.clamp(0, classes - 1)])
-        return losses.sum(1) / counted.reshape(size, -1).sum(1)
+        if weight is None:
+            weights = torch.ones_like(rows, dtype=x.dtype)
+        else:
+            weights = weight.gather(1, classes_of_rows) if own else weight[classes_of_rows]
+        counted = weights.masked_fill(rows == options.get("ignore_index", -100), 0.0)
+        return losses.sum(1) / counted.sum(1)
     losses = func(*tensors, reduction="none", **options)
     if reduction == "none":
         return losses
@@ -1457,9 +1607,9 @@ for _name_, _funcs in {
     for _func in _funcs:
         _register((_func,), _shifted(_func, 1, _name_, cheap=_name_ in ("select", "narrow")))
 for _func in (torch.softmax, T.softmax, F.softmax):
-    _register((_func,), _padded_vector(ops.softmax, _shifted(_func, 1, "softmax")))
+    _register((_func,), _padded_vector(ops.softmax, _func, "softmax"))
 for _func in (torch.log_softmax, T.log_softmax, F.log_softmax):
-    _register((_func,), _padded_vector(ops.log_softmax, _shifted(_func, 1, "log_softmax")))
+    _register((_func,), _padded_vector(ops.log_softmax, _func, "log_softmax"))
 _register((torch.transpose, T.transpose), _transpose)
 _register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
           else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))
