@@ -361,7 +361,7 @@ def test_child_sum_tree_lstm_trains_as_eagerly(strategy):
     # embedding of every tree's words, whatever their number, is one launch, and its rows are
     # length-led: the bound and the launches both count them once; the excess is the
     # interleaving's.)
-    excess = {"depth": 71, "agenda": 190}[strategy]
+    excess = {"depth": 70, "agenda": 173}[strategy]  # as today: no more launches than these
     assert batched.stats.batches - batched.stats.lower_bound <= excess
     assert batched.stats.batches * 8 < eager.ops
 
