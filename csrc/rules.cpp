@@ -65,6 +65,10 @@ namespace {
 
 PyObject* s_operand = nullptr;  // "_operand"
 PyObject* s_lookup_tag = nullptr;
+// Attribute names read per op call, interned once (a name built per read costs more than the
+// read's dict lookup).
+PyObject* s_requires_grad = nullptr;
+PyObject* s_shape = nullptr;
 PyObject* g_ops_module = nullptr;  // flybatch.ops, for _embedding_args and _integer
 PyObject* g_rules[8] = {};          // the operator rules: + - * / @ neg pick slice
 
@@ -208,7 +212,7 @@ i64 node_of(Store* g, PyObject* x) {
   const auto parameter = g->parameters->find(x);
   if (parameter != g->parameters->end()) {
     if (torch_function_mode_enabled()) return parameter->second;
-    PyObject* grad = PyObject_GetAttrString(x, "requires_grad");
+    PyObject* grad = PyObject_GetAttr(x, s_requires_grad);
     if (!grad) throw PythonError{};
     Py_DECREF(grad);
     if (grad == Py_True) return parameter->second;
@@ -555,7 +559,7 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
     known = g->table_shapes->end();
   }
   if (known == g->table_shapes->end()) {
-    PyObject* size = PyObject_GetAttrString(table, "shape");
+    PyObject* size = PyObject_GetAttr(table, s_shape);
     if (!size) throw PythonError{};
     Release size_ref{size};
     if (PyTuple_GET_SIZE(size) != 2) {
@@ -936,7 +940,9 @@ PyMappingMethods expression_mapping = [] {
 bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
-  return s_operand && s_lookup_tag && PyType_Ready(&RuleType) == 0 &&
+  s_requires_grad = PyUnicode_InternFromString("requires_grad");
+  s_shape = PyUnicode_InternFromString("shape");
+  return s_operand && s_lookup_tag && s_requires_grad && s_shape && PyType_Ready(&RuleType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }
