@@ -4,6 +4,7 @@
 // the scheduler and executor read the columns as zero-copy buffers (`Store.view`).
 #include "store.h"
 
+#include <dlfcn.h>
 #include <structmember.h>
 
 #include <algorithm>
@@ -28,7 +29,28 @@ PyObject* g_tensor_type = nullptr;
 PyObject* g_mode_enabled = nullptr;
 PyObject* g_expression_type = nullptr;
 
+// The two thread-local flags read per op call, torch.is_grad_enabled and
+// torch._C._is_torch_function_mode_enabled, are each a Python function returning one C++
+// function of torch's libraries. Called through Python they cost ~40-60 ns each (a call and
+// torch's error guard around it), a tenth of a node's build; so `configure` looks the C++
+// functions up in the libraries torch has loaded and the core calls them directly (~2 ns). Not
+// found (a torch built otherwise), the Python functions serve as before.
+using TorchFlag = bool (*)();
+TorchFlag g_grad_mode = nullptr;      // c10::GradMode::is_enabled
+TorchFlag g_function_mode = nullptr;  // at::impl::torch_function_mode_enabled
+
+namespace {
+TorchFlag loaded_function(const char* library, const char* symbol) {
+  void* handle = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);  // only if torch loaded it
+  if (!handle) return nullptr;
+  void* f = dlsym(handle, symbol);
+  dlclose(handle);  // torch's own load keeps the library
+  return reinterpret_cast<TorchFlag>(f);
+}
+}  // namespace
+
 bool torch_function_mode_enabled() {
+  if (g_function_mode) return g_function_mode();
   PyObject* on = PyObject_CallNoArgs(g_mode_enabled);
   if (!on) throw PythonError{};
   Py_DECREF(on);
@@ -183,6 +205,7 @@ const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n) {
 }
 
 bool grad_enabled() {
+  if (g_grad_mode) return g_grad_mode();
   PyObject* mode = PyObject_CallNoArgs(g_is_grad_enabled);
   if (!mode) throw PythonError{};
   Py_DECREF(mode);  // True or False: immortal enough to compare after the decref
@@ -810,6 +833,9 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_XSETREF(g_current_graph, Py_NewRef(current));
   Py_XSETREF(g_tensor_type, Py_NewRef(tensor));
   Py_XSETREF(g_mode_enabled, Py_NewRef(mode_enabled));
+  g_grad_mode = loaded_function("libc10.so", "_ZN3c108GradMode10is_enabledEv");
+  g_function_mode =
+      loaded_function("libtorch_cpu.so", "_ZN2at4impl27torch_function_mode_enabledEv");
   Py_RETURN_NONE;
 }
 

@@ -63,6 +63,30 @@ def test_a_node_written_under_no_grad_carries_no_gradient(strategy):
     torch.testing.assert_close(W.grad, grad)
 
 
+def test_each_node_takes_the_grad_mode_in_force_at_its_call_through_nesting_and_switches():
+    W = _param(2, 2)
+    x = torch.ones(2, dtype=F64)
+    with fb.Graph("agenda", dtype=F64) as graph:
+        on = fb.matmul(W, x)
+        with torch.no_grad():
+            off = fb.matmul(W, x)
+            with torch.enable_grad():
+                on_inside_off = fb.matmul(W, x)
+            off_again = fb.matmul(W, x)
+        with torch.inference_mode():
+            off_inference = fb.tanh(on)
+        torch.set_grad_enabled(False)
+        try:
+            off_switched = fb.tanh(on)
+        finally:
+            torch.set_grad_enabled(True)
+        on_again = fb.tanh(on)
+        nodes = [on, off, on_inside_off, off_again, off_inference, off_switched, on_again]
+        graph.forward(nodes)
+        assert [n.value().requires_grad for n in nodes] == [True, False, True, False, False,
+                                                            False, True]
+
+
 def test_nodes_written_with_and_without_grad_do_not_share_a_kernel():
     W = _param(2, 2)
     with fb.Graph("agenda", dtype=F64) as g:
