@@ -141,23 +141,46 @@ std::uint64_t KeyTable::hash(const i64* key, std::size_t n) {
   std::uint64_t h = 0xcbf29ce484222325ull ^ n;
   for (std::size_t i = 0; i < n; ++i)
     h = (h ^ static_cast<std::uint64_t>(key[i])) * 0x100000001b3ull;
-  return h;
+  return h ^ (h >> 32);  // the table indexes by the low bits: fold the high ones in
 }
 
 std::int32_t KeyTable::find(const i64* key, std::size_t n, std::uint64_t hash) const {
-  const auto [first, last] = ids_.equal_range(hash);
-  for (auto it = first; it != last; ++it)
-    if (length(it->second) == n && std::equal(key, key + n, this->key(it->second)))
-      return it->second;
-  return -1;
+  if (slots_.empty()) return -1;
+  const std::size_t mask = slots_.size() - 1;
+  for (std::size_t at = hash & mask;; at = (at + 1) & mask) {
+    const std::int32_t id = slots_[at];
+    if (id < 0) return -1;
+    if (hashes_[id] != hash || length(id) != n) continue;
+    const i64* k = this->key(id);
+    std::size_t i = 0;
+    while (i < n && k[i] == key[i]) ++i;  // short keys: a loop beats a call to memcmp
+    if (i == n) return id;
+  }
 }
 
 std::int32_t KeyTable::insert(const i64* key, std::size_t n, std::uint64_t hash) {
   const auto id = static_cast<std::int32_t>(size());
   pool_.insert(pool_.end(), key, key + n);
   start_.push_back(pool_.size());
-  ids_.emplace(hash, id);
+  hashes_.push_back(hash);
+  if (2 * hashes_.size() > slots_.size()) grow();  // (re)places every id, this one included
+  else {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t at = hash & mask;
+    while (slots_[at] >= 0) at = (at + 1) & mask;
+    slots_[at] = id;
+  }
   return id;
+}
+
+void KeyTable::grow() {
+  slots_.assign(std::max<std::size_t>(16, 2 * slots_.size()), -1);
+  const std::size_t mask = slots_.size() - 1;
+  for (std::size_t id = 0; id < hashes_.size(); ++id) {
+    std::size_t at = hashes_[id] & mask;
+    while (slots_[at] >= 0) at = (at + 1) & mask;
+    slots_[at] = static_cast<std::int32_t>(id);
+  }
 }
 
 // ---- the store ---------------------------------------------------------------------------------

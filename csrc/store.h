@@ -155,7 +155,9 @@ class Column {
   i64 size_ = 0, capacity_ = 0;
 };
 
-// Interns sequences of ints (shapes, signature keys) as dense ids 0, 1, 2...
+// Interns sequences of ints (shapes, signature keys) as dense ids 0, 1, 2... Looked up once or
+// more per node created, so the index is open addressing over one array of ids (linear probing,
+// at most half full) rather than a node-based map: a lookup touches one or two cache lines.
 class KeyTable {
  public:
   // The id of key[0..n), or -1 if it is not interned yet.
@@ -167,9 +169,12 @@ class KeyTable {
   static std::uint64_t hash(const i64* key, std::size_t n);
 
  private:
+  void grow();
+
   std::vector<i64> pool_;
   std::vector<std::size_t> start_{0};
-  std::unordered_multimap<std::uint64_t, std::int32_t> ids_;
+  std::vector<std::uint64_t> hashes_;  // per id: its key's hash (compared before the key)
+  std::vector<std::int32_t> slots_;    // ids by hash, -1 for empty; a power of two long
 };
 
 // The columns of a store and what they are named by Python (`Store.view`, `Store.column`).
