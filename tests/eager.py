@@ -352,9 +352,10 @@ def run(B: Any, strategy: str, dtype: torch.dtype, build: Callable[[Any], list],
     return values, grads, loss_value
 
 
-def assert_same(actual, expected, dtype: torch.dtype) -> None:
-    """Two `run` results agree: values, gradients and loss, to the dtype's tolerance."""
-    tol = TOLERANCE[dtype]
+def assert_same(actual, expected, dtype: torch.dtype, tol: float | None = None) -> None:
+    """Two `run` results agree: values, gradients and loss, to the dtype's tolerance (or a
+    tighter `tol`)."""
+    tol = TOLERANCE[dtype] if tol is None else tol
     values, grads, loss = actual
     ref_values, ref_grads, ref_loss = expected
     assert len(values) == len(ref_values)

@@ -14,38 +14,20 @@ import torch
 
 import eager
 import flybatch as fb
+from across_lengths import F64, launches, parameters, same_as_eager, vectors
 from flybatch.graph import STRATEGIES
 
-F64 = torch.float64
 D = 4
 LENGTHS = [2, 5, 7, 1, 5, 3]  # source lengths of the instances, mixed on purpose
 STEPS = 3
 
 
 def _vectors(seed: int, n: int, size: int = D) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(size, generator=gen, dtype=F64) for _ in range(n)]
-
-
-def _params(seed: int = 0, **shapes: tuple[int, ...]) -> dict[str, torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.nn.Parameter(torch.randn(*shape, generator=gen, dtype=F64) * 0.5)
-            for name, shape in shapes.items()}
-
-
-def same_as_eager(strategy: str, build, params) -> None:
-    eager.assert_same(eager.run(fb, strategy, F64, build, params),
-                      eager.run(eager, "eager", F64, build, params), F64)
-
-
-def launches(build, strategy: str = "auto") -> fb.Stats:
-    with fb.Graph(strategy=strategy, dtype=F64) as g:
-        fb.esum([fb.sum_elems(o) for o in build(fb)]).backward()
-        return g.stats()
+    return vectors(seed, n, size)
 
 
 # ---- softmaxes of vectors of any length -------------------------------------------------------
-P = _params(W=(D, D), u=(D,))
+P = parameters(W=(D, D), u=(D,))
 
 
 def scores(B, seed: int, n: int):
@@ -85,7 +67,7 @@ def test_a_softmax_of_a_padded_vector_sums_to_one_over_its_own_length():
 
 
 # ---- attention over source positions ------------------------------------------------------------
-A = _params(1, W=(D, D), U=(D, D), V=(D, 2 * D))
+A = parameters(1, W=(D, D), U=(D, D), V=(D, 2 * D))
 
 
 def attention_decoder(B, lengths=LENGTHS, steps: int = STEPS) -> list:
@@ -217,7 +199,7 @@ def test_forward_stacked_reads_rows_of_a_padded_result_at_their_own_length():
 def test_torch_attention_over_sources_of_any_length_is_one_launch_per_op(strategy):
     # Unchanged torch code: torch.stack of the keys, `keys @ q`, F.softmax / F.log_softmax
     # over the source positions. Captured, each runs once for every length.
-    P = _params(W=(D, D), q=(D,))
+    P = parameters(W=(D, D), q=(D,))
     sources = [_vectors(n, n) for n in LENGTHS]
 
     def build(lib):

@@ -14,9 +14,9 @@ import torch
 
 import eager
 import flybatch as fb
+from across_lengths import F64, launches, same_as_eager, vectors
 from flybatch.graph import STRATEGIES
 
-F64 = torch.float64
 D = 5
 LENGTHS = [1, 3, 2, 5, 1, 4, 3]  # one instance per length, mixed on purpose
 
@@ -26,8 +26,7 @@ def launches_of(stats: fb.Stats, op: str) -> int:
 
 
 def _vectors(seed: int, n: int, size: int = D) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(size, generator=gen, dtype=F64) for _ in range(n)]
+    return vectors(seed, n, size)
 
 
 class Encoder:
@@ -49,17 +48,6 @@ class Encoder:
 
     def score(self, B, source):
         return B.dot(self.w, source)
-
-
-def same_as_eager(strategy: str, build, params) -> None:
-    eager.assert_same(eager.run(fb, strategy, F64, build, params),
-                      eager.run(eager, "eager", F64, build, params), F64)
-
-
-def launches(build, strategy: str = "auto") -> fb.Stats:
-    with fb.Graph(strategy=strategy, dtype=F64) as g:
-        fb.esum([fb.sum_elems(o) for o in build(fb)]).backward()
-        return g.stats()
 
 
 # ---- lists reduced elementwise ---------------------------------------------------------------
