@@ -327,7 +327,8 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 // as they are. Deciding which in Python cost ~0.5-1 us a call; here it is a few type checks.
 // The rules (capture.py's comments say why each is there):
 //   * an Expression type among `types`: recorded;
-//   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs;
+//   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs,
+//     but one in capture._READS_VALUE (`data`, `requires_grad`) of a shadowed tensor is recorded;
 //   * a name in capture._DESCRIBE or capture._REBINDS: runs, and a rebind (a name in _REBINDS,
 //     or `__set__` of an attribute in _REBOUND_ATTRIBUTES) first makes the live graphs forget
 //     its tensor (capture._forget); but a name in capture._READS_VALUE (`item`, `tolist`,
@@ -479,6 +480,11 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
   Owned name{attr_or(func, s_name, empty.get())};
   if (name_is(name.get(), "__get__")) {
     Owned owner{owner_name(func)};
+    if (contains(g_reads_value, owner.get())) {  // `data`, `requires_grad` of a shadowed tensor
+      Scan scan{};
+      scan.shadows_only = true;
+      return PyTuple_GET_SIZE(args) && scan.any(PyTuple_GET_ITEM(args, 0));
+    }
     if (!contains(g_recorded_properties, owner.get())) return false;
   } else {
     const bool rebinds = contains(g_rebinds, name.get());

@@ -366,3 +366,24 @@ def test_backward_per_instance_by_default_accumulates_the_eager_gradients():
     torch.testing.assert_close(per_instance_backwards(fb, retain_graph=None),
                                per_instance_backwards(eager, retain_graph=False),
                                rtol=TOL, atol=TOL)
+
+
+def test_a_second_backward_of_one_expression_raises_as_eagerly():
+    P = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    with fb.Graph(dtype=F64):
+        loss = fb.sum_elems(fb.tanh(P * fb.input([1.0, 2.0, 3.0])))
+        loss.backward()
+        first = P.grad.clone()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    assert torch.equal(P.grad, first)  # not accumulated twice
+
+
+def test_a_second_backward_after_retain_graph_accumulates_as_eagerly():
+    P = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    with fb.Graph(dtype=F64):
+        loss = fb.sum_elems(fb.tanh(P * fb.input([1.0, 2.0, 3.0])))
+        loss.backward(retain_graph=True)
+        first = P.grad.clone()
+        loss.backward()
+    torch.testing.assert_close(P.grad, 2 * first, rtol=TOL, atol=TOL)

@@ -1043,6 +1043,12 @@ def test_a_plain_tensor_the_graph_wrote_into_reads_its_new_values():
         assert [row.tolist() for row in h] == want.tolist()
         assert f"{want[0, 0].item():.4f}" in repr(h)
         assert h.size() == (2, 3) and h.dim() == 2  # what describes it runs as it is
+        # and the properties the write changed: its data, and that it now requires grad
+        assert h.data.tolist() == want.tolist()
+        assert h.requires_grad and not h.is_leaf
+    with fb.Graph(), torch.no_grad():
+        h = fill()
+        assert not h.requires_grad and h.is_leaf  # as eagerly: nothing of it needs a gradient
 
 
 def test_a_class_index_out_of_range_raises_at_the_loss_call():

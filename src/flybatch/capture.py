@@ -97,10 +97,13 @@ _DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride 
 # inside a graph block work on the tensors, as they must; on an expression they are recorded.)
 # Those of them that read a tensor's values are recorded on a plain tensor the graph has
 # written into (`h[0] = x`, Graph.shadows): its storage does not hold what it now stands for.
+# (So do the properties that the write changed: `data`, and whether it now requires grad.)
+_SHADOWED_PROPERTIES = frozenset({"data", "requires_grad", "is_leaf"})
 _READS_VALUE = frozenset("""__repr__ __format__ __bool__ __int__ __float__ __index__ item tolist
     numpy __reduce_ex__ __deepcopy__ __getstate__ __dlpack__ __array__ __contains__ __iter__
-    detach to cpu cuda type float double half bfloat16 pin_memory __reduce__""".split())
-assert _READS_VALUE <= _DESCRIBE
+    detach to cpu cuda type float double half bfloat16 pin_memory __reduce__""".split()
+                         ) | _SHADOWED_PROPERTIES
+assert _READS_VALUE - _SHADOWED_PROPERTIES <= _DESCRIBE
 _RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
 # Calls that rebind what the graph's rules remember of a tensor without asking it again
 # (whether it is a parameter, an embedding table's size; `Store.forget`). They run as they are.
@@ -1564,6 +1567,19 @@ def _register(funcs, handler) -> None:
 
 
 T = torch.Tensor
+
+
+def _shadowed_property(name: str) -> Callable:
+    """`tensor.data` / `.requires_grad` / `.is_leaf` of a plain tensor the graph wrote into:
+    those of the expression that now stands for it (its storage still holds the old values)."""
+    def read(tensor):
+        new = _current_value(_graph_of((tensor,), {}), tensor)
+        return new.detach() if name == "data" else getattr(new, name)
+    return read
+
+
+for _property in _SHADOWED_PROPERTIES:
+    _register([getattr(T, _property).__get__], _shadowed_property(_property))
 _unary_ops = {
     "tanh": (torch.tanh, T.tanh, F.tanh), "sigmoid": (torch.sigmoid, T.sigmoid, F.sigmoid),
     "relu": (torch.relu, T.relu, F.relu), "exp": (torch.exp, T.exp), "log": (torch.log, T.log),

@@ -172,12 +172,13 @@ class Expression(_core.Expression):
         with _no_capture():
             return int(value.argmax())
 
-    def backward(self, retain_graph: bool = True) -> None:
+    def backward(self, retain_graph: bool | None = None) -> None:
         """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does.
 
         Instances batched together share their kernels' autograd nodes, so a backward per
         instance must not free them: the graph keeps them until it closes (`retain_graph=False`
-        frees them at once, when this is the graph's last backward).
+        frees them at once, when this is the graph's last backward). As eagerly, a second
+        backward of the same expression raises unless the first had `retain_graph=True`.
         """
         self.graph.backward(self, retain_graph=retain_graph)
 
@@ -281,6 +282,9 @@ class Graph(_core.Store):
         self.padded: set[int] = set()
         live_graphs.add(self)
         self.sinks: dict[int, Any] = {}  # batch -> its gradient sink (execution._GradientSink)
+        # Nodes whose backward ran without `retain_graph=True`: a second one raises, as eagerly
+        # (it would silently add the gradients again; see `backward`).
+        self.backward_done: set[int] = set()
         self.launches: list[tuple[int, int]] = []  # (signature, size) per non-leaf kernel
         self.gathers = 0
         self.gathers_avoided = 0
@@ -561,13 +565,24 @@ class Graph(_core.Store):
                 value = value.narrow(0, 0, self.shape_of(node)[0])
             return value
 
-    def backward(self, expr: Expression, retain_graph: bool = True) -> None:
-        value = self.value_of(self.node_of(expr))
+    def backward(self, expr: Expression, retain_graph: bool | None = None) -> None:
+        node = self.node_of(expr)
+        if node in self.backward_done:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: this expression's "
+                "backward already ran (eager PyTorch raises here too, since the first backward "
+                "freed its graph). Pass retain_graph=True to the first backward to accumulate "
+                "its gradients twice.")
+        value = self.value_of(node)
         if value.dim() != 0:
             raise ValueError(f"backward() needs a scalar expression, got shape {expr.shape}")
         start = time.perf_counter()
         with torch._C.DisableTorchFunction():
-            value.backward(retain_graph=retain_graph)
+            # Instances batched together share their kernels' autograd nodes: unless the user
+            # asks to free them, they stay for the other instances' backwards.
+            value.backward(retain_graph=retain_graph is not False)
+        if not retain_graph:
+            self.backward_done.add(node)
         self.seconds["backward"] += time.perf_counter() - start
         self._mark_idle()
 
