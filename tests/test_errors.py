@@ -259,6 +259,19 @@ def test_a_parameter_of_another_dtype_than_the_first_one_met_raises_type_error()
             torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float32)) @ fb.input([1.0, 2.0])
 
 
+def test_an_input_tensor_the_graph_dtype_would_round_raises_type_error():
+    with fb.Graph(dtype=torch.float32):
+        with pytest.raises(TypeError, match=r"input: a torch.float64 tensor of shape \(3,\)"):
+            fb.input(torch.ones(3, dtype=torch.float64))
+        # what the graph's dtype holds exactly is converted, as are lists and arrays
+        assert fb.input(torch.ones(3, dtype=torch.float16)).value().dtype == torch.float32
+        assert fb.input(np.ones(3)).value().dtype == torch.float32
+    with fb.Graph():  # no dtype: the first floating tensor fixes it
+        fb.input(torch.ones(2, dtype=torch.float32))
+        with pytest.raises(TypeError, match="float64"):
+            fb.input(torch.ones(2, dtype=torch.float64))
+
+
 def test_a_float_or_bool_index_raises_type_error_at_the_call():
     table = torch.nn.Parameter(torch.ones(4, 2))
     with fb.Graph():

@@ -321,8 +321,17 @@ class Graph(_core.Store):
         return self._dtype
 
     def _meet_dtype(self, tensor: torch.Tensor) -> None:
-        if self._dtype is None and tensor.is_floating_point():
+        """The first floating tensor met fixes the graph's dtype; a later input that the
+        graph's dtype cannot hold exactly (float64 values in a float32 graph) is refused: it
+        would be rounded silently, where eager torch computes in the wider type or raises."""
+        if not tensor.is_floating_point():
+            return
+        if self._dtype is None:
             self._dtype = tensor.dtype
+        elif torch.promote_types(tensor.dtype, self._dtype) != self._dtype:
+            raise TypeError(f"input: a {tensor.dtype} tensor of shape {tuple(tensor.shape)} in a "
+                            f"{self._dtype} graph would be rounded to {self._dtype}; pass "
+                            f"dtype={tensor.dtype} to fb.Graph or convert the tensor")
 
     # ---- node creation -------------------------------------------------------------------
     # `add(op, args, shape, sig_key, attr=None)` is the store's (csrc/store.cpp): it appends a
