@@ -828,7 +828,66 @@ PyObject* operator_rule(Operator which, PyObject* a, PyObject* b) {
   return call_rule(reinterpret_cast<Rule*>(rule), operands, 2, nullptr);
 }
 
-PyObject* expr_add(PyObject* a, PyObject* b) { return operator_rule(kAdd, a, b); }
+// Python's `sum(losses)`, or `total = total + loss` in a loop, is a chain of scalar adds: each
+// waits for the one before, one launch per term, however many instances. So a scalar `a + b`
+// whose `a` is itself a pending scalar sum (an add, or an esum made here) of the same grad mode
+// becomes ONE esum of a's terms and b: the partial sums no longer wait for each other and all
+// batch into one launch (esum batches any number of terms), with the same gradients and, as
+// the terms are added in order, the same values. Up to kMaxFlatTerms terms: a longer chain
+// anchors its next esum at a sum of that many (its cost grows as terms x chain length).
+constexpr Py_ssize_t kMaxFlatTerms = 64;
+
+Rule* esum_rule() {
+  static PyObject* esum = nullptr;  // ops.esum, kept for the process
+  if (!esum) esum = PyObject_GetAttrString(g_ops_module, "esum");
+  if (!esum) throw PythonError{};
+  return reinterpret_cast<Rule*>(esum);
+}
+
+// The terms of a flattened `a + b`, or NULL (no error set) when the rule does not apply.
+PyObject* flat_sum_terms(PyObject* a, PyObject* b) {
+  const auto is_expression = [](PyObject* x) {
+    return PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_expression_type));
+  };
+  if (!g_rules[kAdd] || !g_expression_type || !is_expression(a) || !is_expression(b))
+    return nullptr;
+  Expression* ea = reinterpret_cast<Expression*>(a);
+  Expression* eb = reinterpret_cast<Expression*>(b);
+  Store* g = ea->graph;
+  if (eb->graph != g || g->closed || ea->id < g->n_done) return nullptr;  // computed: no gain
+  Columns& c = *g->nodes;
+  std::size_t nd_a, nd_b;
+  shape_dims(g, c.shape[ea->id], &nd_a);
+  shape_dims(g, c.shape[eb->id], &nd_b);
+  if (nd_a || nd_b) return nullptr;  // scalars only: a vector chain's terms would be re-added
+  const std::int32_t op = c.op[ea->id];
+  if (op != reinterpret_cast<Rule*>(g_rules[kAdd])->code && op != esum_rule()->code)
+    return nullptr;
+  // a's terms must get the gradient that a would pass on: not if a was written under no_grad
+  // and this add is not.
+  if (c.no_grad[ea->id] != !grad_enabled()) return nullptr;
+  const i64 first = c.arg_ptr[ea->id], last = c.arg_ptr[ea->id + 1];
+  if (last - first + 1 > kMaxFlatTerms) return nullptr;
+  Owned terms{PyList_New(0)};
+  for (i64 k = first; k < last; ++k) {
+    Owned term{new_expression(g, c.arg_flat[k])};
+    if (PyList_Append(terms.get(), term.get()) < 0) throw PythonError{};
+  }
+  if (PyList_Append(terms.get(), b) < 0) throw PythonError{};
+  return terms.release();
+}
+
+PyObject* expr_add(PyObject* a, PyObject* b) {
+  try {
+    if (PyObject* terms = flat_sum_terms(a, b)) {
+      Owned held{terms};
+      return call_rule(esum_rule(), &terms, 1, nullptr);
+    }
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+  return operator_rule(kAdd, a, b);
+}
 PyObject* expr_sub(PyObject* a, PyObject* b) { return operator_rule(kSub, a, b); }
 PyObject* expr_mul(PyObject* a, PyObject* b) { return operator_rule(kMul, a, b); }
 PyObject* expr_div(PyObject* a, PyObject* b) { return operator_rule(kDiv, a, b); }

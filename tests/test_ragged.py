@@ -229,3 +229,42 @@ def test_child_sum_cell_reads_children_computed_by_an_earlier_forward():
     params = list(cell.parameters())
     eager.assert_same(eager.run(fb, "auto", F64, lambda B: build(B, True), params),
                       eager.run(eager, "eager", F64, lambda B: build(B, False), params), F64)
+
+
+# ---- Python's sum() of scalar losses --------------------------------------------------------
+def summed_scores(B, m: Encoder, n: int = 12) -> list:
+    """`sum(losses)` as users write it: a chain of scalar adds, one per instance; and a partial
+    sum on the way, which must keep its own value."""
+    scores = [m.score(B, m.query(B, seed)) for seed in range(n)]
+    partial = sum(scores[: n // 2])
+    return [sum(scores), partial * 1.0]
+
+
+def test_python_sum_of_scalar_losses_is_one_launch_not_a_chain():
+    m = Encoder()
+    for strategy in ("agenda", "auto"):
+        with fb.Graph(strategy=strategy, dtype=F64) as g:
+            total, partial = summed_scores(fb, m)
+            total.backward()
+            by_op = g.stats().by_signature
+        # `0 + s1` is one add; every later partial sum is an esum of its terms, all in one launch
+        assert launches_of(g.stats(), "add") == 1 and launches_of(g.stats(), "esum") == 1, by_op
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_python_sum_of_scalar_losses_matches_eager(strategy):
+    m = Encoder()
+    same_as_eager(strategy, lambda B: summed_scores(B, m), m.params)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_sum_begun_under_no_grad_passes_no_gradient_to_its_first_terms(strategy):
+    m = Encoder()
+
+    def build(B):
+        scores = [m.score(B, m.query(B, seed)) for seed in range(6)]
+        with torch.no_grad():
+            early = scores[0] + scores[1]
+        return [early + scores[2] + scores[3]]
+
+    same_as_eager(strategy, build, m.params)

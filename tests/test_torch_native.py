@@ -464,8 +464,10 @@ def test_seq2seq_with_teacher_forcing_trains_as_eagerly(strategy):
     model = seeded(Seq2Seq(7, 8, 5)).eval()  # eval: the decoder's dropout is the identity
     eager, batched = check(model, lambda p: seq2seq_loss(model, p, True), TRANSLATIONS, strategy)
     # The decoder starts at the depth where each encoder ends: `depth` batches its steps only
-    # between sentences of equal input length, the agenda across all of them.
-    ratio = {"depth": 3.0, "agenda": 1.5}[strategy]
+    # between sentences of equal input length, the agenda across all of them. (The bound counts
+    # each pair's `loss +=` chain as one esum launch, which the agenda meets and depth, whose
+    # partial sums lie at the depths of their last terms, cannot: 322 launches, bound 105.)
+    ratio = {"depth": 3.1, "agenda": 1.4}[strategy]
     assert batched.stats.batches <= ratio * batched.stats.lower_bound
     assert batched.stats.batches * 4 < eager.ops
 
