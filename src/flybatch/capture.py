@@ -242,15 +242,6 @@ def _graph_of(args: tuple, kwargs: dict) -> Graph:
     return current_graph()
 
 
-def node_of_tensor(g: Graph, x: torch.Tensor) -> int:
-    """A plain tensor's node: the expression it stands for after an in-place write with one,
-    else a parameter, a per-instance input with gradient, or a copied constant input."""
-    shadow = g.shadows.get(id(x))
-    if shadow is not None and shadow[0] is x:
-        return shadow[1].id
-    return g._operand(x)
-
-
 def _fill(template: Template, xs) -> Any:
     if isinstance(template, _Slot):
         return xs[template.index]
@@ -428,11 +419,11 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
 _warned: set = set()
 
 
-def _on_values(func: Callable, call: _Call) -> Any:
+def _on_values(func: Callable, call: _Call, warn: bool = True) -> Any:
     """Run `func` on the operands' values (a forward, or a round of map_batched): for output
     shapes that depend on values and Python results. The result keeps its autograd history."""
     # (a value read such as `.tolist()` of a tensor the graph wrote into asks for values)
-    if func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
+    if warn and func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
         _warned.add(func)
         warnings.warn(f"{_name(func)} on flybatch expressions depends on their values: it runs "
                       "on the values (a forward per call, not batched)", stacklevel=4)
@@ -440,6 +431,35 @@ def _on_values(func: Callable, call: _Call) -> Any:
     values = [g.value_of(n) for n in call.nodes]
     with torch._C.DisableTorchFunction():
         return func(*_fill(call.args, values), **_fill(call.kwargs, values))
+
+
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                momentum=0.1, eps=1e-5):
+    """F.batch_norm in training mode with running statistics (an nn.BatchNorm in `.train()`):
+    the instance's own batch statistics normalize it (a node), and the running statistics take
+    their update, instance after instance as eagerly, as expressions written into the buffers
+    (`Graph.shadows`: read by later calls, copied into the buffers when the graph closes). A
+    kernel would update copies of the buffers, made when the call was recorded."""
+    if not training or running_mean is None or running_var is None:
+        return NotImplemented
+    out = torch_call(F.batch_norm, (input, None, None, weight, bias, True, momentum, eps), {})
+    g = out.graph
+    dims = [d for d in range(len(out.shape)) if d != 1]
+    with torch.no_grad():  # running statistics carry no gradient
+        mean = torch_call(T.mean, (input, dims), {})
+        var = torch_call(T.var, (input, dims), {})  # unbiased, as torch's running variance
+        for buffer, batch_value in ((running_mean, mean), (running_var, var)):
+            new = _current_value(g, buffer) * (1 - momentum) + batch_value * momentum
+            g.shadows[id(buffer)] = (buffer, new)
+    return out
+
+
+def _sampled_indices(*args, **kwargs) -> torch.Tensor:
+    """`torch.multinomial` (`Categorical(...).sample()`): the sampled indices, a plain tensor
+    drawn from the values. An index sample carries no gradient and is what control flow reads
+    (`a.item()`, a REINFORCE reward); torch.distributions also insists that a `log_prob`
+    argument be a real tensor."""
+    return _on_values(torch.multinomial, _Call(args, kwargs), warn=False)
 
 
 # ---- direct batched calls ---------------------------------------------------------------------
@@ -536,7 +556,7 @@ class _Same(_Recipe):
 
 
 _SAME = _Same()
-_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS, _Plan)
+_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan)
 
 
 def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
@@ -873,7 +893,7 @@ def _matmul(a, b, **kwargs):
 
 
 def node_of_operand(g: Graph, x: Any) -> int:
-    return g.node_of(x) if isinstance(x, Expression) else node_of_tensor(g, x)
+    return g.node_of(x) if isinstance(x, Expression) else g._operand(x)
 
 
 def _rmatmul(a, b, **kwargs):
@@ -1475,7 +1495,7 @@ def _rnn(gates: int):
                              f"records {4 if has_biases else 2}, without projections")
         if not isinstance(input, Expression):  # a plain sequence into the module's parameters
             g = current_graph()
-            input = Expression(g, node_of_tensor(g, input))
+            input = Expression(g, g._operand(input))
         g = input.graph
         if batch_first:
             input = input.transpose(0, 1)  # (length, rows, features)
@@ -1539,7 +1559,7 @@ def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | N
         with torch._C.DisableTorchFunction():
             if not any(bool(s.any()) for s in states):
                 return None
-    return tuple(s if isinstance(s, Expression) else Expression(g, node_of_tensor(g, s))
+    return tuple(s if isinstance(s, Expression) else Expression(g, g._operand(s))
                  for s in states)
 
 
@@ -1652,6 +1672,8 @@ _register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
 _register((torch.gru_cell,), _cell(torch.gru_cell, 1))
 _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
 _register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
+_register((torch.multinomial, T.multinomial), _sampled_indices)
+_register((F.batch_norm,), _batch_norm)
 _register((torch.lstm,), _rnn(4))
 _register((torch.gru,), _rnn(3))
 
@@ -1716,15 +1738,17 @@ def _requires_grad(self) -> bool:
 def _eq(self, other):
     # Between two expressions `==` stays identity (expressions are dict keys and `in` list
     # members in graph-building code); against a tensor or a number it is torch's elementwise
-    # comparison, as per-instance torch code means it.
-    if isinstance(other, Expression):
-        return self is other
+    # comparison, as per-instance torch code means it. So is `x == x`, the NaN test of
+    # torch.distributions' argument checks: Python's containers never ask it (they compare by
+    # identity first), so only code that means the mask does.
+    if isinstance(other, Expression) and other is not self:
+        return False
     return torch_call(T.__eq__, (self, other), {})
 
 
 def _ne(self, other):
-    if isinstance(other, Expression):
-        return self is not other
+    if isinstance(other, Expression) and other is not self:
+        return True
     return torch_call(T.__ne__, (self, other), {})
 
 
@@ -1779,11 +1803,23 @@ _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__
          "__matmul__", "__rmatmul__", "__neg__", "argmax"}
 
 
+class ArgmaxIndex(int):
+    """What `x.argmax()` with no argument returns: a Python int, as flybatch code uses it (a
+    list index, a dict key), that also answers the calls torch code makes on the 0-d tensor
+    torch returns (`x.argmax().item()`)."""
+
+    def item(self) -> int:
+        return int(self)
+
+    def tolist(self) -> int:
+        return int(self)
+
+
 def _argmax(self, dim=None, keepdim=False):
     """With no argument, the index of the largest element as a Python int (a value request, as
     flybatch always had it); with `dim`, torch's argmax as a node."""
     if dim is None and not keepdim:
-        return int(self.value().detach().argmax())
+        return ArgmaxIndex(self.value().detach().argmax())
     return torch_call(T.argmax, (self, dim, keepdim), {})
 
 
