@@ -419,6 +419,22 @@ class TiedLM(nn.Module):
         return F.cross_entropy(self.dec(out.squeeze(1)), ids[1:])
 
 
+class PackedGRU(nn.Module):
+    """nn.utils.rnn's packing, on a batch of one sequence, around a two-layer bidirectional
+    GRU."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 4), nn.Linear(2 * H, 3)
+        self.rnn = nn.GRU(4, H, num_layers=2, bidirectional=True, batch_first=True)
+
+    def forward(self, ids):
+        packed = nn.utils.rnn.pack_sequence([self.emb(ids)])
+        out, h = self.rnn(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=6)
+        return self.out(padded.sum(1)) + self.out(torch.cat([h[-2], h[-1]], 1))
+
+
 class CausalDecoder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -535,6 +551,9 @@ ZOO = {
     "bigru-learned-h0": entry(BiGRU, classify, list(enumerate(sequences()))),
     "tied-lstm-lm": entry(TiedLM, lambda m, ids: m(torch.tensor(ids)),
                           [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [2, 3, 4, 5]]),
+    "packed-sequence-bigru": entry(PackedGRU, lambda m, it: classify(m, (it[0],
+                                                                      torch.tensor(it[1]))),
+                                   list(enumerate([[1, 2, 3], [4, 5], [6, 7, 8, 9, 1], [2]]))),
     "transformer-decoder-causal": entry(
         CausalDecoder, lambda m, it: F.cross_entropy(m(it[0], it[1]), it[2]),
         [(t, mem, torch.arange(t.size(0)) % 3) for t, mem in
@@ -662,3 +681,11 @@ def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():
         noise = [(z - mu).value() for z in zs]
     assert len({tuple(n.flatten().tolist()) for n in noise}) == 4
     torch.testing.assert_close(mu.grad, torch.full((1, 3), 4.0))
+
+
+def test_packing_several_sequences_in_one_instance_raises_naming_the_function():
+    gru = seeded(nn.GRU(4, H))
+    with fb.Graph():
+        x = fb.input(torch.randn(3, 2, 4)) * 1.0
+        with pytest.raises(ValueError, match="_pack_padded_sequence.*one sequence per instance"):
+            gru(nn.utils.rnn.pack_padded_sequence(x, torch.tensor([3, 2])))

@@ -1485,6 +1485,9 @@ def _rnn(gates: int):
 
     def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                 batch_first):
+        if isinstance(has_biases, (list, tuple)):  # the packed overload: (data, batch_sizes, ...)
+            return _packed_rnn(handler, input, hx, params, has_biases, num_layers, dropout,
+                               train, bidirectional, batch_first)
         if not isinstance(input, (Expression, torch.Tensor)) or len(input.shape) != 3 \
                 or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
@@ -1547,6 +1550,40 @@ def _rnn(gates: int):
         return output, h_n
 
     return handler
+
+
+# Packed sequences (`nn.utils.rnn.pack_sequence([x])`, `pack_padded_sequence`) of ONE instance's
+# sequence: one sequence, so its packed data is the sequence itself and every batch size is 1;
+# the layers run as on the (T, 1, I) sequence, which batches across instances anyway.
+def _one_sequence(name: str, batch_sizes: Any) -> None:
+    if isinstance(batch_sizes, Expression) or not bool((batch_sizes == 1).all()):
+        raise ValueError(f"{name}: flybatch batches packed sequences of one sequence per "
+                         f"instance (batch sizes all 1), not {batch_sizes!r}")
+
+
+def _pack_padded(input, lengths, batch_first):
+    if not isinstance(input, Expression) or isinstance(lengths, Expression) \
+            or lengths.numel() != 1:
+        raise ValueError(f"torch._pack_padded_sequence: flybatch packs one sequence per instance, "
+                         f"not an input of shape {tuple(input.shape)} with lengths {lengths!r}")
+    length = int(lengths[0])
+    data = input[0, :length] if batch_first else input[:length, 0]
+    return data, torch.ones(length, dtype=torch.int64)
+
+
+def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length):
+    _one_sequence("torch._pad_packed_sequence", batch_sizes)
+    length = len(batch_sizes)
+    padded = F.pad(data, (0, 0, 0, total_length - length), value=padding_value)
+    return padded.unsqueeze(0 if batch_first else 1), torch.tensor([length])
+
+
+def _packed_rnn(unpacked, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                bidirectional):
+    _one_sequence("torch.lstm / torch.gru", batch_sizes)
+    output, *finals = unpacked(data.unsqueeze(1), hx, params, has_biases, num_layers, dropout,
+                               train, bidirectional, False)
+    return (output.squeeze(1), *finals)
 
 
 def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | None:
@@ -1674,6 +1711,8 @@ _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
 _register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
 _register((torch.multinomial, T.multinomial), _sampled_indices)
 _register((F.batch_norm,), _batch_norm)
+_register((torch._pack_padded_sequence,), _pack_padded)
+_register((torch._pad_packed_sequence,), _pad_packed)
 _register((torch.lstm,), _rnn(4))
 _register((torch.gru,), _rnn(3))
 
