@@ -505,6 +505,37 @@ class Recurrences(nn.Module):
         return z.sum() + self.out(outputs).sum() + outputs.sum()
 
 
+class ConvNorms(nn.Module):
+    """A convolution over a [1, 4, n] sentence, GroupNorm and InstanceNorm, two poolings."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = nn.Conv1d(4, 6, 2), nn.Linear(12, 3)
+        self.group, self.instance = nn.GroupNorm(2, 6), nn.InstanceNorm1d(6, affine=True)
+
+    def forward(self, x):
+        h = self.conv(F.pad(x.t().unsqueeze(0), (1, 1)))
+        h = self.instance(self.group(F.leaky_relu(h)))
+        pooled = [F.adaptive_max_pool1d(h, 1), F.avg_pool1d(h, h.size(-1))]
+        return self.out(torch.cat(pooled, 1).squeeze(-1))
+
+
+class ComputedIndices(nn.Module):
+    """Indexing by indices the model computed (`argmax(dim=1)`), accuracy read with `.item()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.rnn = nn.Linear(4, 3), nn.RNN(4, H, num_layers=2)
+
+    def forward(self, x, gold):
+        z = self.lin(x)
+        predicted = z.argmax(dim=1)
+        correct = (predicted == gold).sum().item()
+        picked = z[torch.arange(x.size(0)), predicted].sum() + z.t()[predicted].sum()
+        _, h = self.rnn(x.unsqueeze(1))
+        return F.cross_entropy(z, gold) * (1 + correct) + picked + h[-1].sum()
+
+
 def xy_rows():
     return [tuple(draw(seed, (1, 4), (1, 4))) for seed in range(5)]
 
@@ -564,6 +595,10 @@ ZOO = {
     "embedding-bag-max-norm": entry(BagOfChars, lambda m, it: classify(m, (it[0],
                                                                           torch.tensor(it[1]))),
                                     list(enumerate([[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]))),
+    "conv-group-instance-norm": entry(ConvNorms, classify, list(enumerate(sequences()))),
+    "computed-indices-accuracy": entry(ComputedIndices,
+                                       lambda m, x: m(x, torch.arange(x.size(0)) % 3),
+                                       sequences(), mapped=True, fewer=1.5),
     "recurrences-and-writes": entry(Recurrences, lambda m, x: m(x), sequences()),
 }
 
@@ -681,6 +716,24 @@ def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():
         noise = [(z - mu).value() for z in zs]
     assert len({tuple(n.flatten().tolist()) for n in noise}) == 4
     torch.testing.assert_close(mu.grad, torch.full((1, 3), 4.0))
+
+
+def test_a_boolean_mask_of_an_expression_indexes_on_the_values_with_eagers_gradient():
+    lin = seeded(nn.Linear(4, 3))
+
+    def loss_of(x):
+        z = lin(x)
+        return z[z < 0].pow(2).sum() + z.masked_select(z > 0).sum()
+
+    items = sequences()
+    eager = run_eager(lin, loss_of, items)
+    lin.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="depends on their values"), fb.Graph():
+        total = sum(fb.map_batched(loss_of, items))
+        total.backward()
+        assert total.item() == pytest.approx(eager.loss, abs=1e-12)
+    for p, want in zip(lin.parameters(), eager.grads.values()):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=1e-12)
 
 
 def test_packing_several_sequences_in_one_instance_raises_naming_the_function():

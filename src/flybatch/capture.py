@@ -680,6 +680,25 @@ def _apply_template(func, args, kwargs, batch):
     return func(*_fill(args, batch), **_fill(kwargs, batch))
 
 
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """F.group_norm normalizes groups of the channels, dim 1 of an (N, C, ...) input. On the
+    batch, (B, N, C, ...), the kernel folds B into N (as it is, B would be N and N the
+    channels)."""
+    def build(call):
+        shared = call.weights_shared()
+        if shared is None:
+            return NotImplemented
+        shape, dtype = _meta_of(F.group_norm, call)
+        fn = _Bound(_apply_template, _folded_group_norm, call.args, call.kwargs, key=call.key)
+        return "group_norm", fn, shape, dtype, shared, False
+
+    return _record(_group_norm, (input, num_groups, weight, bias, eps), None, build, (2, 3))
+
+
+def _folded_group_norm(input, *args):
+    return F.group_norm(input.flatten(0, 1), *args).view(input.shape)
+
+
 def _elementwise(func: Callable, cheap: bool = True):
     """An elementwise function with broadcasting: batch operands aligned, called as is."""
     label = func.__name__
@@ -1693,7 +1712,7 @@ for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.spli
     _register((_func,), _pieces(_func, _dim_at))
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
-_register((F.group_norm,), _as_is(F.group_norm, weights=(2, 3, "weight", "bias")))
+_register((F.group_norm,), _group_norm)
 _register((F.dropout, torch.dropout), _dropout)
 _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
