@@ -536,6 +536,42 @@ class ComputedIndices(nn.Module):
         return F.cross_entropy(z, gold) * (1 + correct) + picked + h[-1].sum()
 
 
+class GaussianPolicy(nn.Module):
+    """torch.distributions on expressions: a Normal's rsample, log_prob and KL to a prior."""
+
+    def __init__(self):
+        super().__init__()
+        self.mu, self.log_sigma = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        d = torch.distributions.Normal(self.mu(x), self.log_sigma(x).exp())
+        z = d.rsample()
+        prior = torch.distributions.Normal(torch.zeros(1, 2), torch.ones(1, 2))
+        return (-d.log_prob(z.detach()).sum() + z.pow(2).sum()
+                + torch.distributions.kl_divergence(d, prior).sum())
+
+
+def reseeded(loss_of):
+    """Each instance's eager draws (a Normal's noise) from its own seed, in both runs."""
+    def seeded_loss(model, item):
+        k, x = item
+        torch.manual_seed(k)
+        return loss_of(model, x)
+    return seeded_loss
+
+
+class Distillation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            soft = F.softmax(self.teacher(x) / 2.0, dim=-1)
+        return (F.cross_entropy(self.student(x), soft)
+                + F.kl_div(F.log_softmax(self.student(x), -1), soft, reduction="batchmean"))
+
+
 def xy_rows():
     return [tuple(draw(seed, (1, 4), (1, 4))) for seed in range(5)]
 
@@ -599,6 +635,9 @@ ZOO = {
     "computed-indices-accuracy": entry(ComputedIndices,
                                        lambda m, x: m(x, torch.arange(x.size(0)) % 3),
                                        sequences(), mapped=True, fewer=1.5),
+    "normal-rsample-log-prob-kl": entry(GaussianPolicy, reseeded(lambda m, x: m(x)),
+                                        list(enumerate(draw(2, *[(1, 4)] * 5)))),
+    "distillation-soft-targets": entry(Distillation, lambda m, x: m(x), draw(3, *[(1, 4)] * 5)),
     "recurrences-and-writes": entry(Recurrences, lambda m, x: m(x), sequences()),
 }
 
@@ -670,6 +709,17 @@ def test_a_tensor_written_with_an_expression_is_its_new_value_to_every_op():
         assert results[1] == pytest.approx(results[0], abs=1e-12)
 
 
+@pytest.mark.parametrize("target, write, error", [
+    (lambda: torch.zeros(3), lambda y: y.unsqueeze(0).expand(2, 3), r"shape \(2, 3\)"),
+    (lambda: torch.zeros(3, dtype=torch.long), lambda y: y, "can't be cast")])
+def test_an_in_place_write_that_eager_torch_refuses_raises_at_the_call(target, write, error):
+    W = nn.Parameter(torch.randn(3))
+    with fb.Graph():
+        buffer = target()
+        with pytest.raises(RuntimeError, match="Tensor.add_: .*" + error):
+            buffer.add_(write(W * 2))
+
+
 class Policy(nn.Module):
     """REINFORCE: actions sampled from `Categorical(logits=...)`, a reward read with `.item()`."""
 
@@ -706,6 +756,13 @@ def test_reinforce_samples_per_instance_and_gets_eagers_gradient_for_its_samples
     eager = run_eager(model, lambda item: model(*item, forced=sampled[item[1]])[0], items)
     assert_same_training(eager, batched)
     assert len({tuple(a) for a in sampled.values()}) > 1
+
+
+def test_distribution_checks_are_off_inside_a_graph_only():
+    default = torch.distributions.Distribution._validate_args
+    with fb.Graph():
+        assert torch.distributions.Distribution._validate_args is False
+    assert torch.distributions.Distribution._validate_args is default
 
 
 def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():

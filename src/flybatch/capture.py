@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
@@ -76,6 +77,12 @@ def push() -> None:
         if mode is None:  # one per thread, kept: a fresh mode per graph leaked ~35 B each
             mode = _thread.mode = _Capture()
         torch.overrides._push_mode(mode)
+        # torch.distributions' argument checks, on by default, read values (`valid.all()`: a
+        # forward per distribution made) and refuse an expression as a `log_prob` sample (it is
+        # no torch.Tensor): off by default inside a graph, as `set_default_validate_args(False)`
+        # turns them off (a distribution made with `validate_args=True` still checks).
+        _thread.validate_args = Distribution._validate_args
+        Distribution.set_default_validate_args(False)
     _thread.depth = depth + 1
 
 
@@ -83,6 +90,7 @@ def pop() -> None:
     _thread.depth -= 1
     if _thread.depth == 0:
         torch.overrides._pop_mode()
+        Distribution.set_default_validate_args(_thread.validate_args)
 
 
 # Tensor attributes and methods that describe a plain tensor: always run as they are (and
@@ -419,11 +427,11 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
 _warned: set = set()
 
 
-def _on_values(func: Callable, call: _Call, warn: bool = True) -> Any:
+def _on_values(func: Callable, call: _Call) -> Any:
     """Run `func` on the operands' values (a forward, or a round of map_batched): for output
     shapes that depend on values and Python results. The result keeps its autograd history."""
     # (a value read such as `.tolist()` of a tensor the graph wrote into asks for values)
-    if warn and func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
+    if func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
         _warned.add(func)
         warnings.warn(f"{_name(func)} on flybatch expressions depends on their values: it runs "
                       "on the values (a forward per call, not batched)", stacklevel=4)
@@ -452,14 +460,6 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
             new = _current_value(g, buffer) * (1 - momentum) + batch_value * momentum
             g.shadows[id(buffer)] = (buffer, new)
     return out
-
-
-def _sampled_indices(*args, **kwargs) -> torch.Tensor:
-    """`torch.multinomial` (`Categorical(...).sample()`): the sampled indices, a plain tensor
-    drawn from the values. An index sample carries no gradient and is what control flow reads
-    (`a.item()`, a REINFORCE reward); torch.distributions also insists that a `log_prob`
-    argument be a real tensor."""
-    return _on_values(torch.multinomial, _Call(args, kwargs), warn=False)
 
 
 # ---- direct batched calls ---------------------------------------------------------------------
@@ -744,8 +744,24 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         if out_of_place is None:
             raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
         new = torch_call(out_of_place, (_current_value(g, target),) + tuple(args[1:]), kwargs)
+        new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+def _as_written_into(func: Callable, target: torch.Tensor, new: Any) -> Any:
+    """The out-of-place result as the in-place write leaves it in `target`: of its shape (a
+    result that broadcasts beyond it raises, as eagerly) and dtype (cast where torch casts)."""
+    shape, dtype = tuple(new.shape), new.dtype
+    if shape != tuple(target.shape):
+        raise RuntimeError(f"{_name(func)}: a result of shape {shape} cannot be written in "
+                           f"place into a tensor of shape {tuple(target.shape)}")
+    if dtype != target.dtype:
+        if not torch.can_cast(dtype, target.dtype):
+            raise RuntimeError(f"{_name(func)}: result type {dtype} can't be cast to the "
+                               f"tensor's type {target.dtype}")
+        new = torch_call(T.to, (new, target.dtype), {})
+    return new
 
 
 def _current_value(g: Graph, tensor: torch.Tensor) -> Any:
@@ -1292,6 +1308,8 @@ def _loss(func: Callable, n_inputs: int):
             return NotImplemented  # each instance's own class weights (a plain tensor): generic
         if weighted and len(call.operands[inputs[0].index][0]) not in (1, 2):
             return NotImplemented  # (N, C, d1...) inputs: generic
+        if weighted and call.operands[inputs[1].index][1].is_floating_point:
+            return NotImplemented  # class probabilities as targets (distillation): generic
         shape, dtype = _meta_of(func, call)
         slots = tuple(v.index for v in inputs)
         weight_slot = None if weight is None else weight.index
@@ -1728,7 +1746,6 @@ _register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
 _register((torch.gru_cell,), _cell(torch.gru_cell, 1))
 _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
 _register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
-_register((torch.multinomial, T.multinomial), _sampled_indices)
 _register((F.batch_norm,), _batch_norm)
 _register((torch._pack_padded_sequence,), _pack_padded)
 _register((torch._pad_packed_sequence,), _pad_packed)
