@@ -65,7 +65,8 @@ class AttnDecoder(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb, self.cell, self.out = nn.Embedding(9, H), nn.GRUCell(2 * H, H), nn.Linear(2 * H, 9)
+        self.emb, self.cell = nn.Embedding(9, H), nn.GRUCell(2 * H, H)
+        self.out = nn.Linear(2 * H, 9)
 
     def forward(self, y, h, enc):
         weights = F.softmax(torch.mm(h, enc.t()), dim=1)           # [1, source length]
@@ -678,7 +679,27 @@ class BatchNormed(nn.Module):
         return self.norm(self.lin(x)).pow(2).sum()
 
 
-@pytest.mark.parametrize("make", [RunningMean, BatchNormed])
+class CarriedState(nn.Module):
+    """A recurrent state carried from one instance to the next in a buffer (`copy_`), and a
+    counter reset with `zero_` / `fill_`."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(4, 4)
+        self.register_buffer("h", torch.zeros(1, 4))
+        self.register_buffer("steps", torch.zeros(1))
+
+    def forward(self, x):
+        h = self.h.clone()  # (eagerly, copy_ into self.h would break the backward)
+        for t in range(x.size(0)):
+            h = self.cell(x[t:t + 1], h)
+        with torch.no_grad():
+            self.h.copy_(h)
+            self.steps.zero_() if x.size(0) > 3 else self.steps.fill_(h.sum())
+        return h.pow(2).sum() * self.steps.sum()
+
+
+@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState])
 def test_state_a_model_updates_in_forward_is_eagers_during_and_after_the_graph(make):
     """Each instance reads the buffers as the instances before it left them (every op, `-`
     and `@` too), and after the graph the buffers hold their last values, as eagerly."""
@@ -718,6 +739,17 @@ def test_an_in_place_write_that_eager_torch_refuses_raises_at_the_call(target, w
         buffer = target()
         with pytest.raises(RuntimeError, match="Tensor.add_: .*" + error):
             buffer.add_(write(W * 2))
+
+
+def test_an_in_place_write_of_an_expression_into_a_view_raises():
+    """Eagerly the write reaches the tensor viewed (and its other views); batched it would not,
+    so it is refused, naming the call and the way that works."""
+    W = nn.Parameter(torch.randn(3))
+    with fb.Graph():
+        out = torch.zeros(2, 3)
+        with pytest.raises(TypeError, match=r"Tensor.add_ .* view of a tensor \(shape \(3,\)\)"
+                                            r".*`out\[t\] = h`"):
+            out[0].add_(W * 2)
 
 
 class Policy(nn.Module):

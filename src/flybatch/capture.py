@@ -735,29 +735,46 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
                         f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
+    with torch._C.DisableTorchFunction():
+        view = target._base is not None
+    if view:  # the write would have to reach the tensor it views, and every other view of it
+        raise TypeError(f"{_name(func)} writes an expression in place into a view of a tensor "
+                        f"(shape {tuple(target.shape)}); write into the tensor itself through "
+                        f"indexing (`out[t] = h`, `out[t] = out[t] + h`)")
     g = _graph_of(args, kwargs)
+    current = _current_value(g, target)
     if name == "__setitem__":
         new = _setitem(g, target, args[1], args[2])
+    elif name in _OVERWRITES:  # the new value is the source, as the tensor's shape and dtype
+        new = torch_call(T.add, (torch_call(torch.zeros_like, (current,), {}),
+                                 _OVERWRITES[name](*args[1:], **kwargs)), {})
+        new = _as_written_into(func, target, new, cast=True)
     else:
         plain = name[:-1] if name.endswith("_") else "__" + name[3:]
         out_of_place = getattr(torch.Tensor, plain, None)
         if out_of_place is None:
             raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
-        new = torch_call(out_of_place, (_current_value(g, target),) + tuple(args[1:]), kwargs)
+        new = torch_call(out_of_place, (current,) + tuple(args[1:]), kwargs)
         new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
 
 
-def _as_written_into(func: Callable, target: torch.Tensor, new: Any) -> Any:
+# In-place writes that replace the values, by what they write.
+_OVERWRITES = {"copy_": lambda src, non_blocking=False: src, "fill_": lambda value: value,
+               "zero_": lambda: 0.0}
+
+
+def _as_written_into(func: Callable, target: torch.Tensor, new: Any, cast: bool = False) -> Any:
     """The out-of-place result as the in-place write leaves it in `target`: of its shape (a
-    result that broadcasts beyond it raises, as eagerly) and dtype (cast where torch casts)."""
+    result that broadcasts beyond it raises, as eagerly) and dtype (cast where torch casts;
+    `copy_` casts any)."""
     shape, dtype = tuple(new.shape), new.dtype
     if shape != tuple(target.shape):
         raise RuntimeError(f"{_name(func)}: a result of shape {shape} cannot be written in "
                            f"place into a tensor of shape {tuple(target.shape)}")
     if dtype != target.dtype:
-        if not torch.can_cast(dtype, target.dtype):
+        if not cast and not torch.can_cast(dtype, target.dtype):
             raise RuntimeError(f"{_name(func)}: result type {dtype} can't be cast to the "
                                f"tensor's type {target.dtype}")
         new = torch_call(T.to, (new, target.dtype), {})
