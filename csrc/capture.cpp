@@ -4,9 +4,9 @@
 // `take_apart(graph, args, kwargs, weights)` returns
 //   (args template, kwargs template, nodes, operands, params, weight, key)
 // where every tensor operand (an Expression, or a torch.Tensor resolved to its node as the op
-// rules resolve operands: parameters by a C map, anything else through `Graph._operand`, and a
-// tensor written in place with an expression through capture's `node_of_tensor`) is replaced by
-// a `_Slot(i)` in the templates; `operands[i]` is its (shape, dtype), `params[i]` whether it is
+// rules resolve operands: parameters by a C map, anything else, a tensor written in place with
+// an expression (`Graph.shadows`) among them, through `Graph._operand`) is replaced by a
+// `_Slot(i)` in the templates; `operands[i]` is its (shape, dtype), `params[i]` whether it is
 // a parameter node and `weight[i]` whether it came from an argument named in `weights`; `key` is
 // a flat tuple of the call's constants and structure ("#" per operand, "(" / "[" ... ")" around
 // sequences, "|" before the keywords), constants other than int / str / None keyed by
@@ -26,7 +26,7 @@ namespace {
 PyObject* g_slot_type = nullptr;        // capture._Slot
 PyObject* g_key_of = nullptr;           // capture._key
 PyObject* g_parameter_op = nullptr;     // graph.PARAMETER
-PyObject* g_node_of_tensor = nullptr;   // capture.node_of_tensor (shadowed tensors)
+PyObject* g_node_of_tensor = nullptr;   // Graph._operand (shadowed tensors)
 PyObject* g_plans = nullptr;            // capture._PLANS
 PyObject* g_plan_type = nullptr;        // capture._Plan
 // _Slot(0), _Slot(1)...: a slot is never changed once made, so calls share them (making one
@@ -303,7 +303,7 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 const char kConfigureDoc[] =
     "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type)\n\n"
     "What take_apart builds and calls: capture._Slot, capture._key, "
-    "graph.PARAMETER, capture.node_of_tensor, capture._PLANS, capture._Plan.";
+    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
   PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type;

@@ -930,10 +930,12 @@ PyObject* expr_getitem(PyObject* x, PyObject* index) {
     Py_XDECREF(stop);
     return out;
   }
-  // ints, numpy integers and bools (which pick rejects: x[True] is not x[1]); a tensor (which
-  // has __index__ too) indexes as in torch, through the fallback
+  // ints, numpy integers and bools (which pick rejects: x[True] is not x[1]); a tensor or an
+  // expression (which have __index__ too: a mask, an index computed per instance) indexes as
+  // in torch, through the fallback
   int is_index = PyIndex_Check(index) &&
-                 !PyObject_TypeCheck(index, reinterpret_cast<PyTypeObject*>(g_tensor_type));
+                 !PyObject_TypeCheck(index, reinterpret_cast<PyTypeObject*>(g_tensor_type)) &&
+                 !is_expression(index);
   if (!is_index) {
     PyObject* types = PyObject_GetAttrString(g_ops_module, "_INDEX_TYPES");
     is_index = types ? PyObject_IsInstance(index, types) : -1;

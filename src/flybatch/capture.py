@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
@@ -76,6 +77,12 @@ def push() -> None:
         if mode is None:  # one per thread, kept: a fresh mode per graph leaked ~35 B each
             mode = _thread.mode = _Capture()
         torch.overrides._push_mode(mode)
+        # torch.distributions' argument checks, on by default, read values (`valid.all()`: a
+        # forward per distribution made) and refuse an expression as a `log_prob` sample (it is
+        # no torch.Tensor): off by default inside a graph, as `set_default_validate_args(False)`
+        # turns them off (a distribution made with `validate_args=True` still checks).
+        _thread.validate_args = Distribution._validate_args
+        Distribution.set_default_validate_args(False)
     _thread.depth = depth + 1
 
 
@@ -83,6 +90,7 @@ def pop() -> None:
     _thread.depth -= 1
     if _thread.depth == 0:
         torch.overrides._pop_mode()
+        Distribution.set_default_validate_args(_thread.validate_args)
 
 
 # Tensor attributes and methods that describe a plain tensor: always run as they are (and
@@ -243,15 +251,6 @@ def _graph_of(args: tuple, kwargs: dict) -> Graph:
                     if isinstance(y, Expression):
                         return y.graph
     return current_graph()
-
-
-def node_of_tensor(g: Graph, x: torch.Tensor) -> int:
-    """A plain tensor's node: the expression it stands for after an in-place write with one,
-    else a parameter, a per-instance input with gradient, or a copied constant input."""
-    shadow = g.shadows.get(id(x))
-    if shadow is not None and shadow[0] is x:
-        return shadow[1].id
-    return g._operand(x)
 
 
 def _fill(template: Template, xs) -> Any:
@@ -445,6 +444,27 @@ def _on_values(func: Callable, call: _Call) -> Any:
         return func(*_fill(call.args, values), **_fill(call.kwargs, values))
 
 
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                momentum=0.1, eps=1e-5):
+    """F.batch_norm in training mode with running statistics (an nn.BatchNorm in `.train()`):
+    the instance's own batch statistics normalize it (a node), and the running statistics take
+    their update, instance after instance as eagerly, as expressions written into the buffers
+    (`Graph.shadows`: read by later calls, copied into the buffers when the graph closes). A
+    kernel would update copies of the buffers, made when the call was recorded."""
+    if not training or running_mean is None or running_var is None:
+        return NotImplemented
+    out = torch_call(F.batch_norm, (input, None, None, weight, bias, True, momentum, eps), {})
+    g = out.graph
+    dims = [d for d in range(len(out.shape)) if d != 1]
+    with torch.no_grad():  # running statistics carry no gradient
+        mean = torch_call(T.mean, (input, dims), {})
+        var = torch_call(T.var, (input, dims), {})  # unbiased, as torch's running variance
+        for buffer, batch_value in ((running_mean, mean), (running_var, var)):
+            new = _current_value(g, buffer) * (1 - momentum) + batch_value * momentum
+            g.shadows[id(buffer)] = (buffer, new)
+    return out
+
+
 # ---- direct batched calls ---------------------------------------------------------------------
 class _Bound:
     """A batched kernel with its constants bound. It is part of a signature, so two are equal
@@ -539,7 +559,7 @@ class _Same(_Recipe):
 
 
 _SAME = _Same()
-_core.configure_capture(_Slot, _key, PARAMETER, node_of_tensor, _PLANS, _Plan)
+_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan)
 
 
 def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
@@ -663,6 +683,25 @@ def _apply_template(func, args, kwargs, batch):
     return func(*_fill(args, batch), **_fill(kwargs, batch))
 
 
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """F.group_norm normalizes groups of the channels, dim 1 of an (N, C, ...) input. On the
+    batch, (B, N, C, ...), the kernel folds B into N (as it is, B would be N and N the
+    channels)."""
+    def build(call):
+        shared = call.weights_shared()
+        if shared is None:
+            return NotImplemented
+        shape, dtype = _meta_of(F.group_norm, call)
+        fn = _Bound(_apply_template, _folded_group_norm, call.args, call.kwargs, key=call.key)
+        return "group_norm", fn, shape, dtype, shared, False
+
+    return _record(_group_norm, (input, num_groups, weight, bias, eps), None, build, (2, 3))
+
+
+def _folded_group_norm(input, *args):
+    return F.group_norm(input.flatten(0, 1), *args).view(input.shape)
+
+
 def _elementwise(func: Callable, cheap: bool = True):
     """An elementwise function with broadcasting: batch operands aligned, called as is."""
     label = func.__name__
@@ -699,17 +738,50 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
                         f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
+    with torch._C.DisableTorchFunction():
+        view = target._base is not None
+    if view:  # the write would have to reach the tensor it views, and every other view of it
+        raise TypeError(f"{_name(func)} writes an expression in place into a view of a tensor "
+                        f"(shape {tuple(target.shape)}); write into the tensor itself through "
+                        f"indexing (`out[t] = h`, `out[t] = out[t] + h`)")
     g = _graph_of(args, kwargs)
+    current = _current_value(g, target)
     if name == "__setitem__":
         new = _setitem(g, target, args[1], args[2])
+    elif name in _OVERWRITES:  # the new value is the source, as the tensor's shape and dtype
+        new = torch_call(T.add, (torch_call(torch.zeros_like, (current,), {}),
+                                 _OVERWRITES[name](*args[1:], **kwargs)), {})
+        new = _as_written_into(func, target, new, cast=True)
     else:
         plain = name[:-1] if name.endswith("_") else "__" + name[3:]
         out_of_place = getattr(torch.Tensor, plain, None)
         if out_of_place is None:
             raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
-        new = torch_call(out_of_place, (_current_value(g, target),) + tuple(args[1:]), kwargs)
+        new = torch_call(out_of_place, (current,) + tuple(args[1:]), kwargs)
+        new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+# In-place writes that replace the values, by what they write.
+_OVERWRITES = {"copy_": lambda src, non_blocking=False: src, "fill_": lambda value: value,
+               "zero_": lambda: 0.0}
+
+
+def _as_written_into(func: Callable, target: torch.Tensor, new: Any, cast: bool = False) -> Any:
+    """The out-of-place result as the in-place write leaves it in `target`: of its shape (a
+    result that broadcasts beyond it raises, as eagerly) and dtype (cast where torch casts;
+    `copy_` casts any)."""
+    shape, dtype = tuple(new.shape), new.dtype
+    if shape != tuple(target.shape):
+        raise RuntimeError(f"{_name(func)}: a result of shape {shape} cannot be written in "
+                           f"place into a tensor of shape {tuple(target.shape)}")
+    if dtype != target.dtype:
+        if not cast and not torch.can_cast(dtype, target.dtype):
+            raise RuntimeError(f"{_name(func)}: result type {dtype} can't be cast to the "
+                               f"tensor's type {target.dtype}")
+        new = torch_call(T.to, (new, target.dtype), {})
+    return new
 
 
 def _current_value(g: Graph, tensor: torch.Tensor) -> Any:
@@ -876,7 +948,7 @@ def _matmul(a, b, **kwargs):
 
 
 def node_of_operand(g: Graph, x: Any) -> int:
-    return g.node_of(x) if isinstance(x, Expression) else node_of_tensor(g, x)
+    return g.node_of(x) if isinstance(x, Expression) else g._operand(x)
 
 
 def _rmatmul(a, b, **kwargs):
@@ -1256,6 +1328,8 @@ def _loss(func: Callable, n_inputs: int):
             return NotImplemented  # each instance's own class weights (a plain tensor): generic
         if weighted and len(call.operands[inputs[0].index][0]) not in (1, 2):
             return NotImplemented  # (N, C, d1...) inputs: generic
+        if weighted and call.operands[inputs[1].index][1].is_floating_point:
+            return NotImplemented  # class probabilities as targets (distillation): generic
         shape, dtype = _meta_of(func, call)
         slots = tuple(v.index for v in inputs)
         weight_slot = None if weight is None else weight.index
@@ -1468,6 +1542,9 @@ def _rnn(gates: int):
 
     def handler(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                 batch_first):
+        if isinstance(has_biases, (list, tuple)):  # the packed overload: (data, batch_sizes, ...)
+            return _packed_rnn(handler, input, hx, params, has_biases, num_layers, dropout,
+                               train, bidirectional, batch_first)
         if not isinstance(input, (Expression, torch.Tensor)) or len(input.shape) != 3 \
                 or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return NotImplemented
@@ -1478,7 +1555,7 @@ def _rnn(gates: int):
                              f"records {4 if has_biases else 2}, without projections")
         if not isinstance(input, Expression):  # a plain sequence into the module's parameters
             g = current_graph()
-            input = Expression(g, node_of_tensor(g, input))
+            input = Expression(g, g._operand(input))
         g = input.graph
         if batch_first:
             input = input.transpose(0, 1)  # (length, rows, features)
@@ -1532,6 +1609,40 @@ def _rnn(gates: int):
     return handler
 
 
+# Packed sequences (`nn.utils.rnn.pack_sequence([x])`, `pack_padded_sequence`) of ONE instance's
+# sequence: one sequence, so its packed data is the sequence itself and every batch size is 1;
+# the layers run as on the (T, 1, I) sequence, which batches across instances anyway.
+def _one_sequence(name: str, batch_sizes: Any) -> None:
+    if isinstance(batch_sizes, Expression) or not bool((batch_sizes == 1).all()):
+        raise ValueError(f"{name}: flybatch batches packed sequences of one sequence per "
+                         f"instance (batch sizes all 1), not {batch_sizes!r}")
+
+
+def _pack_padded(input, lengths, batch_first):
+    if not isinstance(input, Expression) or isinstance(lengths, Expression) \
+            or lengths.numel() != 1:
+        raise ValueError(f"torch._pack_padded_sequence: flybatch packs one sequence per instance, "
+                         f"not an input of shape {tuple(input.shape)} with lengths {lengths!r}")
+    length = int(lengths[0])
+    data = input[0, :length] if batch_first else input[:length, 0]
+    return data, torch.ones(length, dtype=torch.int64)
+
+
+def _pad_packed(data, batch_sizes, batch_first, padding_value, total_length):
+    _one_sequence("torch._pad_packed_sequence", batch_sizes)
+    length = len(batch_sizes)
+    padded = F.pad(data, (0, 0, 0, total_length - length), value=padding_value)
+    return padded.unsqueeze(0 if batch_first else 1), torch.tensor([length])
+
+
+def _packed_rnn(unpacked, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+                bidirectional):
+    _one_sequence("torch.lstm / torch.gru", batch_sizes)
+    output, *finals = unpacked(data.unsqueeze(1), hx, params, has_biases, num_layers, dropout,
+                               train, bidirectional, False)
+    return (output.squeeze(1), *finals)
+
+
 def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | None:
     """The initial states of a captured `torch.lstm` / `torch.gru` as expressions, or None when
     they are plain tensors of zeros (nn.LSTM's default): the layer then starts from zeros
@@ -1542,7 +1653,7 @@ def _initial_states(g: Graph, hx: Any, lstm: bool) -> tuple[Expression, ...] | N
         with torch._C.DisableTorchFunction():
             if not any(bool(s.any()) for s in states):
                 return None
-    return tuple(s if isinstance(s, Expression) else Expression(g, node_of_tensor(g, s))
+    return tuple(s if isinstance(s, Expression) else Expression(g, g._operand(s))
                  for s in states)
 
 
@@ -1652,7 +1763,7 @@ for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.spli
     _register((_func,), _pieces(_func, _dim_at))
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
-_register((F.group_norm,), _as_is(F.group_norm, weights=(2, 3, "weight", "bias")))
+_register((F.group_norm,), _group_norm)
 _register((F.dropout, torch.dropout), _dropout)
 _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
@@ -1668,6 +1779,9 @@ _register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
 _register((torch.gru_cell,), _cell(torch.gru_cell, 1))
 _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
 _register((torch.rnn_relu_cell,), _cell(torch.rnn_relu_cell, 1))
+_register((F.batch_norm,), _batch_norm)
+_register((torch._pack_padded_sequence,), _pack_padded)
+_register((torch._pad_packed_sequence,), _pad_packed)
 _register((torch.lstm,), _rnn(4))
 _register((torch.gru,), _rnn(3))
 
@@ -1732,15 +1846,17 @@ def _requires_grad(self) -> bool:
 def _eq(self, other):
     # Between two expressions `==` stays identity (expressions are dict keys and `in` list
     # members in graph-building code); against a tensor or a number it is torch's elementwise
-    # comparison, as per-instance torch code means it.
-    if isinstance(other, Expression):
-        return self is other
+    # comparison, as per-instance torch code means it. So is `x == x`, the NaN test of
+    # torch.distributions' argument checks: Python's containers never ask it (they compare by
+    # identity first), so only code that means the mask does.
+    if isinstance(other, Expression) and other is not self:
+        return False
     return torch_call(T.__eq__, (self, other), {})
 
 
 def _ne(self, other):
-    if isinstance(other, Expression):
-        return self is not other
+    if isinstance(other, Expression) and other is not self:
+        return True
     return torch_call(T.__ne__, (self, other), {})
 
 
@@ -1795,11 +1911,23 @@ _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__
          "__matmul__", "__rmatmul__", "__neg__", "argmax"}
 
 
+class ArgmaxIndex(int):
+    """What `x.argmax()` with no argument returns: a Python int, as flybatch code uses it (a
+    list index, a dict key), that also answers the calls torch code makes on the 0-d tensor
+    torch returns (`x.argmax().item()`)."""
+
+    def item(self) -> int:
+        return int(self)
+
+    def tolist(self) -> int:
+        return int(self)
+
+
 def _argmax(self, dim=None, keepdim=False):
     """With no argument, the index of the largest element as a Python int (a value request, as
     flybatch always had it); with `dim`, torch's argmax as a node."""
     if dim is None and not keepdim:
-        return int(self.value().detach().argmax())
+        return ArgmaxIndex(self.value().detach().argmax())
     return torch_call(T.argmax, (self, dim, keepdim), {})
 
 

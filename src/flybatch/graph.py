@@ -444,8 +444,14 @@ class Graph(_core.Store):
     def _operand(self, x: Any) -> int:
         """The node of an operand that is not an expression (the compiled rules call this):
         a tensor that requires grad and is a leaf is a parameter, any other tensor or ndarray
-        an input copied now, a number an interned constant."""
+        an input copied now, a number an interned constant. A plain tensor the graph wrote
+        into (`out[t] = h`, `buf.add_(y)`: `shadows`) stands for its new value, whichever op
+        reads it."""
         if isinstance(x, torch.Tensor):
+            if self.shadows:
+                shadow = self.shadows.get(id(x))
+                if shadow is not None and shadow[0] is x:
+                    return shadow[1].id
             with _no_capture():  # (through the capture mode each attribute costs ~1.4 us)
                 requires_grad, leaf = x.requires_grad, x.is_leaf
             if not requires_grad:
@@ -631,8 +637,13 @@ class Graph(_core.Store):
             raise GraphError("this graph is closed and its values were freed; "
                              "ask for values inside its `with` block")
 
-    def close(self) -> None:
-        """Free the values (and the autograd graph behind them); further use raises GraphError."""
+    def close(self, write_back: bool = True) -> None:
+        """Free the values (and the autograd graph behind them); further use raises GraphError.
+        A plain tensor the graph wrote into (a buffer updated in place in a forward, a running
+        mean) first takes its last value, as eagerly it would hold it (`write_back`; not when
+        the block ends with an error)."""
+        if write_back and self.shadows and not self.closed:
+            self._write_back()
         super().close()
         self.values = []
         self.padded = set()
@@ -640,6 +651,13 @@ class Graph(_core.Store):
         self._leaf_nodes = {}
         self.tags = {}
         self.shadows = {}
+
+    def _write_back(self) -> None:
+        targets = [target for target, _ in self.shadows.values()]
+        values = self.forward([new for _, new in self.shadows.values()])
+        with torch.no_grad(), _no_capture():
+            for target, value in zip(targets, values):
+                target.copy_(value)
 
     def __enter__(self) -> "Graph":
         from . import capture
@@ -662,7 +680,7 @@ class Graph(_core.Store):
 
         capture.pop()
         if not self._entries:
-            self.close()
+            self.close(write_back=exc[0] is None)
 
     def stats(self):
         from .stats import collect
