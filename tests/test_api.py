@@ -132,10 +132,14 @@ def test_operators_build_expressions_lazily():
         assert g.stats().batches == 0
 
 
-def test_expressions_cannot_be_iterated():
+def test_iterating_an_expression_yields_its_rows_as_a_tensor_does():
     with fb.Graph():
-        with pytest.raises(TypeError):
-            list(fb.input([1.0, 2.0]))
+        rows = list(fb.input([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
+        assert len(rows) == 3 and all(r.shape == (2,) for r in rows)
+        assert [r.value().tolist() for r in rows] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+        assert [float(x) for x in fb.input([1.0, 2.0])] == [1.0, 2.0]
+        with pytest.raises(TypeError, match="0-d"):
+            list(fb.sum_elems(fb.input([1.0, 2.0])))
 
 
 # ---- values --------------------------------------------------------------------------------------

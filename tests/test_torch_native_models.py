@@ -420,6 +420,21 @@ class TiedLM(nn.Module):
         return F.cross_entropy(self.dec(out.squeeze(1)), ids[1:])
 
 
+class RowByRow(nn.Module):
+    """Iterates a sentence's LSTM states as a tensor iterates (`for h_t in out:`): the mean of
+    the rows classified, plus the sum of a score of each row."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.score, self.out = nn.LSTM(4, H), nn.Linear(H, 1), nn.Linear(H, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.unsqueeze(1))
+        scored = [self.score(h_t[0]) for h_t in out]
+        return self.out(torch.stack([h_t[0] for h_t in out]).mean(0, keepdim=True)) + \
+            torch.stack(scored).sum()
+
+
 class PackedGRU(nn.Module):
     """nn.utils.rnn's packing, on a batch of one sequence, around a two-layer bidirectional
     GRU."""
@@ -619,6 +634,7 @@ ZOO = {
     "bigru-learned-h0": entry(BiGRU, classify, list(enumerate(sequences()))),
     "tied-lstm-lm": entry(TiedLM, lambda m, ids: m(torch.tensor(ids)),
                           [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [2, 3, 4, 5]]),
+    "lstm-rows-iterated": entry(RowByRow, classify, list(enumerate(sequences())), fewer=2),
     "packed-sequence-bigru": entry(PackedGRU, lambda m, it: classify(m, (it[0],
                                                                       torch.tensor(it[1]))),
                                    list(enumerate([[1, 2, 3], [4, 5], [6, 7, 8, 9, 1], [2]]))),

@@ -606,7 +606,18 @@ def dropout(x: Operand, p: float, training: bool = True) -> Expression:
 # type calling these rules (either side may be a number, tensor or ndarray).
 _core.set_operators(add, sub, mul, div, matmul, neg, pick, slice_rows)
 _INDEX_TYPES = (numbers.Integral, np.integer, np.bool_)  # what `x[i]` picks by
-Expression.__iter__ = None  # iterating would loop forever through __getitem__: forbid it
+
+
+def _rows(x: Expression):
+    """Iterating an expression yields its rows `x[0], x[1]...`, as iterating a tensor does
+    (`for h_t in lstm_out:`); a scalar is not iterable, as in torch. (Without `__iter__`,
+    Python would iterate through `__getitem__` until an IndexError.)"""
+    if not x.shape:
+        raise TypeError("iteration over a 0-d expression")
+    return (x[i] for i in range(x.shape[0]))
+
+
+Expression.__iter__ = _rows
 # Without it NumPy takes an Expression for a scalar object and applies `ndarray + x` element by
 # element (an object array of expressions); None makes NumPy defer to `x.__radd__` and the like.
 Expression.__array_ufunc__ = None
