@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from copy import deepcopy
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,6 +220,16 @@ def test_bidirectional_two_layer_lstm_gradients_match_eager(strategy):
     lstm = seeded(fb.nn.LSTM(IN, H, num_layers=2, bidirectional=True).double())
     same_as_eager(strategy, [lstm], lambda B, m, xs: m[0]([B.input(x) for x in xs]),
                   lengths_batch(RAGGED))
+
+
+def test_lstm_length_groups_split_and_join_back_with_zeros_past_each_end():
+    lengths = np.array([2, 9, 3, 8, 1])  # groups [9, 8], [3, 2], [1]: 8 and 2 run past their end
+    x = torch.randn(5, 10, 3, dtype=F64)
+    groups = fb.nn._LengthGroups(lengths, 10, x.device)
+    parts = groups.split(x)
+    assert [tuple(p.shape) for p in parts] == [(2, 9, 3), (2, 3, 3), (1, 1, 3)]
+    valid = torch.from_numpy(np.arange(10)[None, :] < lengths[:, None]).unsqueeze(-1)
+    assert torch.equal(groups.join(parts), x * valid)
 
 
 # ---- Tree-LSTMs ----------------------------------------------------------------------------------

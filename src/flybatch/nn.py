@@ -20,7 +20,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import _core, kernels, ops, signatures
@@ -239,17 +238,75 @@ def _lstm_layer_kernel(xs, attr, shape, lengths):
     kernels.flops.add((steps - B) * gates, H, w_hh, w_ih)
     if lengths is None:  # all of one length
         return _torch_lstm(x, w_ih, w_hh, bias)
-    T = x.shape[1]
-    outs, rows = [], []
-    for group in _length_groups(lengths):
-        longest = int(lengths[group[0]])
-        members = torch.from_numpy(group).to(x.device)
-        h = _torch_lstm(x.index_select(0, members)[:, :longest], w_ih, w_hh, bias)
-        outs.append(F.pad(h, (0, 0, 0, T - longest)))
-        rows.append(members)
-    out = torch.cat(outs).index_select(0, torch.argsort(torch.cat(rows)))
-    padding = torch.from_numpy(np.arange(T)[None, :] >= lengths[:, None]).to(x.device)
-    return out.masked_fill(padding.unsqueeze(-1), 0.0)
+    groups = _LengthGroups(lengths, x.shape[1], x.device)
+    inputs = _SplitGroups.apply(groups, x)
+    return _JoinGroups.apply(groups, *[_torch_lstm(g, w_ih, w_hh, bias) for g in inputs])
+
+
+class _LengthGroups:
+    """The rows of a padded batch [B, T, ...] in groups of similar length (`_length_groups`):
+    each group's rows and longest length, and the steps of its shorter rows past their own
+    ends (a group runs to its longest length; the result has zeros there)."""
+
+    __slots__ = ("members", "longest", "past_end", "past_end_in_group", "B", "T")
+
+    def __init__(self, lengths: np.ndarray, T: int, device: torch.device):
+        self.B, self.T = len(lengths), T
+        self.members, self.longest, self.past_end_in_group, past_end = [], [], [], []
+        for group in _length_groups(lengths):
+            longest = int(lengths[group[0]])
+            self.members.append(torch.from_numpy(group).to(device))
+            self.longest.append(longest)
+            # (row, step) past its row's end, as a flat row of the group's [n * longest, ...]
+            # and of the batch's [B * T, ...]
+            rows, steps = np.nonzero(np.arange(longest)[None, :] >= lengths[group][:, None])
+            self.past_end_in_group.append(torch.from_numpy(rows * longest + steps).to(device))
+            past_end.append(group[rows] * T + steps)
+        self.past_end = torch.from_numpy(np.concatenate(past_end)).to(device)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each group's rows of `t` [B, T, ...], cut at its longest length."""
+        return tuple(t[:, :longest].index_select(0, members)
+                     for members, longest in zip(self.members, self.longest))
+
+    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The groups' [n, longest, ...] back in one [B, T, ...], zeros past each row's end."""
+        out = parts[0].new_zeros(self.B, self.T, *parts[0].shape[2:])
+        for part, members, longest in zip(parts, self.members, self.longest):
+            out[:, :longest].index_copy_(0, members, part)
+        out.view(self.B * self.T, -1).index_fill_(0, self.past_end, 0.0)
+        return out
+
+
+class _SplitGroups(torch.autograd.Function):
+    """`groups.split(x)`; backward joins the groups' gradients into one tensor (instead of a
+    zero-filled copy of x per group, as the selects' own backward would make)."""
+
+    @staticmethod
+    def forward(ctx, groups, x):
+        ctx.groups = groups
+        return groups.split(x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, ctx.groups.join(grads)
+
+
+class _JoinGroups(torch.autograd.Function):
+    """`groups.join(parts)`; backward splits the gradient back into the groups, with zeros
+    past each row's end (those outputs are the zeros of the join, not the group's)."""
+
+    @staticmethod
+    def forward(ctx, groups, *parts):
+        ctx.groups = groups
+        return groups.join(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = ctx.groups.split(grad)  # fresh tensors: zeroed in place
+        for part, past_end in zip(parts, ctx.groups.past_end_in_group):
+            part.view(part.shape[0] * part.shape[1], -1).index_fill_(0, past_end, 0.0)
+        return (None, *parts)
 
 
 # A cell over a whole sequence: (stacked inputs (n, D), weight_ih, weight_hh, bias) -> the h of
