@@ -682,6 +682,12 @@ PyMethodDef kCaptureMethods[] = {
 
 }  // namespace
 
+PyObject* capture_mode_call(PyObject* mode, PyObject* func, PyObject* types, PyObject* args,
+                            PyObject* kwargs) {
+  PyObject* call[4] = {func, types, args, kwargs};
+  return torch_function(mode, call, 4, nullptr);
+}
+
 bool register_capture(PyObject* module) {
   s_shadows = PyUnicode_InternFromString("shadows");
   s_node_dtypes = PyUnicode_InternFromString("node_dtypes");

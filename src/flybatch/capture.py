@@ -1670,6 +1670,17 @@ _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PRO
                       _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
                       _refuse_inplace, _unhandled)
 
+# torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
+# methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
+# too: it cost more than recording the call. Each of those modules imported that name, so it is
+# rebound there, here and only here, to `_core.handle_torch_function` (csrc/dispatch.cpp), which
+# does the same in C when the innermost mode is capture's own and calls torch's otherwise. A
+# module where the name is no longer torch's (something else rebound it) is left as it is.
+_core.configure_dispatch(_Capture, torch.overrides.handle_torch_function)
+for _module in (F, torch.functional, torch._tensor):
+    if _module.handle_torch_function is torch.overrides.handle_torch_function:
+        _module.handle_torch_function = _core.handle_torch_function
+
 
 def _register(funcs, handler) -> None:
     for func in funcs:
