@@ -48,6 +48,12 @@ PyObject* s_slice = nullptr;            // "slice"
 PyObject* s_requires_grad = nullptr;    // "requires_grad"
 PyObject* s_is_leaf = nullptr;          // "is_leaf"
 PyObject* s_dunder = nullptr;           // "__"
+PyObject* g_index_input_op = nullptr;   // graph.INDEX_INPUT
+PyObject* g_index_dtypes = nullptr;     // graph._INDEX_DTYPES (a frozenset)
+PyObject* g_no_args = nullptr;          // ()
+PyObject* s_is_cpu = nullptr;           // "is_cpu"
+PyObject* s_shape_attr = nullptr;       // "shape"
+PyObject* s_index_input = nullptr;      // "index input"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
@@ -60,6 +66,38 @@ PyObject* graph_dtype(PyObject* graph) {
   if (fixed != Py_None) return fixed;
   Py_DECREF(fixed);
   return checked(PyObject_GetAttr(graph, s_dtype));
+}
+
+// A one-element integer tensor on the CPU (a class target, a row, `torch.tensor([label])` made
+// afresh at every call): its node, an INDEX_INPUT holding the int the tensor holds now, as
+// Graph.input_node makes it, without input_node's Python (~2 us per target). Read only while
+// no torch function mode is on (a call is recorded with the capture mode off torch's stack),
+// so that reading the tensor dispatches to nothing. -1 where it does not apply.
+i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_tensor_type) ||
+      torch_function_mode_enabled())
+    return -1;
+  Owned dtype{PyObject_GetAttr(x, s_dtype)};
+  const int index = PySet_Contains(g_index_dtypes, dtype.get());
+  if (index < 0) throw PythonError{};
+  if (!index || Owned{PyObject_GetAttr(x, s_is_cpu)}.get() != Py_True) return -1;
+  Owned size{PyObject_GetAttr(x, s_shape_attr)};
+  Owned shape{PySequence_Tuple(size.get())};
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape.get()); ++i)
+    if (PyLong_AsLongLong(PyTuple_GET_ITEM(shape.get(), i)) != 1) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return -1;  // not one element
+    }
+  Owned value{PyNumber_Long(x)};
+  Owned key{PyTuple_Pack(3, s_index_input, shape.get(), dtype.get())};
+  PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, shape.get(), key.get(), Py_None,
+                           value.get()};
+  Owned out{
+      PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
+  const i64 node = reinterpret_cast<Expression*>(out.get())->id;
+  Owned id{PyLong_FromLongLong(node)};
+  if (PyDict_SetItem(node_dtypes, id.get(), dtype.get()) < 0) throw PythonError{};
+  return node;
 }
 
 // One pass over one call.
@@ -89,7 +127,8 @@ struct TakeApart {
         return v;
       }
     }
-    return operand_node(g, x);
+    const i64 index = index_input(graph, node_dtypes, x);
+    return index >= 0 ? index : operand_node(g, x);
   }
 
   PyObject* slot(i64 node, bool from_weight) {  // new reference: the _Slot
@@ -301,15 +340,21 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 }
 
 const char kConfigureDoc[] =
-    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type)\n\n"
+    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type, "
+    "index_input_op, index_dtypes)\n\n"
     "What take_apart builds and calls: capture._Slot, capture._key, "
-    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan.";
+    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan, "
+    "graph.INDEX_INPUT, graph._INDEX_DTYPES.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
-  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type;
-  if (!PyArg_ParseTuple(args, "OOOOO!O!:configure_capture", &slot_type, &key_of, &parameter_op,
-                        &node_of_tensor, &PyDict_Type, &plans, &PyType_Type, &plan_type))
+  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type,
+      *index_input_op, *index_dtypes;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!OO!:configure_capture", &slot_type, &key_of,
+                        &parameter_op, &node_of_tensor, &PyDict_Type, &plans, &PyType_Type,
+                        &plan_type, &index_input_op, &PyFrozenSet_Type, &index_dtypes))
     return nullptr;
+  Py_XSETREF(g_index_input_op, Py_NewRef(index_input_op));
+  Py_XSETREF(g_index_dtypes, Py_NewRef(index_dtypes));
   Py_XSETREF(g_plans, Py_NewRef(plans));
   Py_XSETREF(g_plan_type, Py_NewRef(plan_type));
   if (slot_type != g_slot_type)
@@ -708,9 +753,13 @@ bool register_capture(PyObject* module) {
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_is_leaf = PyUnicode_InternFromString("is_leaf");
   s_dunder = PyUnicode_InternFromString("__");
+  s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  s_shape_attr = PyUnicode_InternFromString("shape");
+  s_index_input = PyUnicode_InternFromString("index input");
+  g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
+  return s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

@@ -47,8 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
-from .graph import (_INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph,
-                    live_graphs)
+from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, _current,
+                    current_graph, live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -559,7 +559,8 @@ class _Same(_Recipe):
 
 
 _SAME = _Same()
-_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan)
+_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan, INDEX_INPUT,
+                        _INDEX_DTYPES)
 
 
 def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
