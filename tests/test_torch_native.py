@@ -894,6 +894,16 @@ def test_peeks_return_python_values_and_backward_fills_grads():
     assert w.grad.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 2.0]]
 
 
+def test_unary_functions_map_floating_expressions_onto_fb_ops_and_keep_integer_ones():
+    with fb.Graph() as g:
+        y = fb.input(torch.tensor([-2.0, 3.0]))
+        for out in (torch.sigmoid(y), y.tanh(), F.relu(y), torch.abs(y)):
+            assert g.op_of(out.id).name in ("sigmoid", "tanh", "relu", "abs")  # fb ops
+        assert F.relu(y, inplace=False).tolist() == [0.0, 3.0]
+        x = fb.input(torch.tensor([-2, 3]))
+        assert torch.abs(x).dtype == torch.int64 and torch.abs(x).tolist() == [2, 3]
+
+
 def test_calls_on_plain_tensors_run_eagerly():
     with fb.Graph() as g:
         h = torch.zeros(1, 3)

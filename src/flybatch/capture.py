@@ -1666,10 +1666,13 @@ def _hidden_of(states, lstm):
 
 
 _HANDLERS: dict[Callable, Callable] = {}
+# The unary functions `_fb_unary` maps onto an fb op: `torch_call` applies the op itself to one
+# floating expression without other arguments, the commonest call, and calls the handler else.
+_FB_UNARY: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled)
+                      _refuse_inplace, _unhandled, _FB_UNARY)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
 # methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
@@ -1709,8 +1712,11 @@ _unary_ops = {
     "abs": (torch.abs, T.abs, T.__abs__), "sqrt": (torch.sqrt, T.sqrt),
     "square": (torch.square, T.square), "neg": (torch.neg, T.neg, T.__neg__, torch.negative),
 }
+_unary_handlers = {}  # handler -> its fb op, for _FB_UNARY
 for _op, _funcs in _unary_ops.items():
-    _register(_funcs, _fb_unary(getattr(ops, _op)))
+    _handler = _fb_unary(getattr(ops, _op))
+    _unary_handlers[_handler] = getattr(ops, _op)
+    _register(_funcs, _handler)
 _binary_ops = {
     "add": ((torch.add, T.add, T.__add__), (T.__radd__,)),
     "sub": ((torch.sub, T.sub, T.__sub__, torch.subtract), (T.__rsub__,)),
@@ -1796,6 +1802,8 @@ _register((torch._pack_padded_sequence,), _pack_padded)
 _register((torch._pad_packed_sequence,), _pad_packed)
 _register((torch.lstm,), _rnn(4))
 _register((torch.gru,), _rnn(3))
+# (those whose handler is still `_fb_unary`'s: Tensor.exp and Tensor.sqrt run elementwise)
+_FB_UNARY.update({f: _unary_handlers[h] for f, h in _HANDLERS.items() if h in _unary_handlers})
 
 
 # ---- expressions as per-instance tensors ---------------------------------------------------
