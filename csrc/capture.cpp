@@ -266,28 +266,53 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture.py `_Call`). With `handler`, and a plan of "
+    "recorded by the capture layer (see capture.py `_Call`) in `graph` (None: the graph of its "
+    "operands, as capture._graph_of). With `handler`, and a plan of "
     "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
     "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
     "key, or a recipe of the handler's own).";
 
+// The graph of a call's operands, as capture._graph_of finds it: the first expression's among
+// the arguments (one level into a list or tuple), then the keywords'; else the current graph.
+PyObject* graph_of_call(PyObject* args, PyObject* kwargs) {  // a new reference
+  auto in = [](PyObject* x) -> PyObject* {
+    if (PyObject_TypeCheck(x, &ExpressionBase))
+      return reinterpret_cast<PyObject*>(reinterpret_cast<Expression*>(x)->graph);
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x))
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); ++i)
+        if (PyObject_TypeCheck(PySequence_Fast_GET_ITEM(x, i), &ExpressionBase))
+          return reinterpret_cast<PyObject*>(
+              reinterpret_cast<Expression*>(PySequence_Fast_GET_ITEM(x, i))->graph);
+    return nullptr;
+  };
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
+    if (PyObject* g = in(PyTuple_GET_ITEM(args, i))) return Py_NewRef(g);
+  PyObject *name, *value;
+  Py_ssize_t pos = 0;
+  while (kwargs != Py_None && PyDict_Next(kwargs, &pos, &name, &value))
+    if (PyObject* g = in(value)) return Py_NewRef(g);
+  return checked(PyObject_CallNoArgs(g_current_graph));
+}
+
 PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   return guarded([&]() -> PyObject* {
-    if (argc < 4 || argc > 5 || !PyObject_TypeCheck(argv[0], &StoreType) ||
-        !PyTuple_Check(argv[1]) || !(argv[2] == Py_None || PyDict_Check(argv[2])) ||
-        !PyTuple_Check(argv[3]))
+    if (argc < 4 || argc > 5 || !PyTuple_Check(argv[1]) ||
+        !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
       raise(PyExc_TypeError,
             "take_apart(graph, args: tuple, kwargs: dict, weights: tuple, handler=None)");
     if (!g_slot_type) raise(PyExc_RuntimeError, "take_apart: configure_capture() was not called");
-    Store* g = reinterpret_cast<Store*>(argv[0]);
+    Owned graph{argv[0] == Py_None ? graph_of_call(argv[1], argv[2]) : Py_NewRef(argv[0])};
+    if (!PyObject_TypeCheck(graph.get(), &StoreType))
+      raise(PyExc_TypeError, "take_apart: graph must be a flybatch Graph or None");
+    Store* g = reinterpret_cast<Store*>(graph.get());
     check_open(g);
     TakeApart t{};
     t.g = g;
-    t.graph = argv[0];
-    Owned shadows{PyObject_GetAttr(argv[0], s_shadows)};
+    t.graph = graph.get();
+    Owned shadows{PyObject_GetAttr(graph.get(), s_shadows)};
     t.shadows =
         PyDict_Check(shadows.get()) && PyDict_GET_SIZE(shadows.get()) ? shadows.get() : nullptr;
-    Owned node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
+    Owned node_dtypes{PyObject_GetAttr(graph.get(), s_node_dtypes)};
     if (!PyDict_Check(node_dtypes.get()))
       raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
     t.node_dtypes = node_dtypes.get();
@@ -330,7 +355,7 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
       if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type))
-        return append_planned(argv[0], plan, nodes_tuple.get(), node_dtypes.get());
+        return append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
       if (plan) return Py_NewRef(plan);  // NotImplemented, or a recipe the handler applies
     }
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),

@@ -582,13 +582,12 @@ def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable
     """What a handler's call gives by its plan for (constants, operands): the node of a
     `_Plan` (when the plan is known, the whole path is one C call), a recipe's result, or
     NotImplemented. An unknown key gets its plan from `build` (see `_plan_of`)."""
-    g = _graph_of(args, kwargs or {})
-    out = _core.take_apart(g, args, kwargs, weights, handler)
+    out = _core.take_apart(None, args, kwargs, weights, handler)  # (the graph of the operands)
     if type(out) is tuple:  # no plan yet: the call's parts
-        call = _Call(args, kwargs or {}, g, weights, out)
+        call = _Call(args, kwargs or {}, None, weights, out)
         out = _plan_of(handler, call, build)
         if type(out) is _Plan:
-            return out.append(g, call.nodes)
+            return out.append(call.graph, call.nodes)
     return out.apply(args) if isinstance(out, _Recipe) else out
 
 
@@ -1147,25 +1146,27 @@ def _reshape_rows(row_shape, batch):
 
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
-
-    def build(call):
-        shared = call.weights_shared()
-        if shared is None:
-            return NotImplemented  # a per-instance weight: generic
-        return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
-
-    def rows(call):  # of a length-led input (n, ..., D): each row, zeros again past a bias
-        shared = call.weights_shared()
-        if shared is None or len(call.operands[0][0]) < 2:
-            return NotImplemented
-        return _rows_plan(call, "linear", _linear_batched, *_meta_of(F.linear, call), shared,
-                          zero_padding=bias is not None)
-
     if _led(x):
-        out = _across_lengths(_linear, operands, None, rows, (1, 2))
+        out = _across_lengths(_linear, operands, None, _linear_rows, (1, 2))
         if out is not NotImplemented:
             return out
-    return _record(_linear, operands, None, build, (1, 2))
+    return _record(_linear, operands, None, _linear_plan, (1, 2))
+
+
+def _linear_plan(call):
+    shared = call.weights_shared()
+    if shared is None:
+        return NotImplemented  # a per-instance weight: generic
+    return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
+
+
+def _linear_rows(call):
+    """Of a length-led input (n, ..., D): each row, zeros again past a bias."""
+    shared = call.weights_shared()
+    if shared is None or len(call.operands[0][0]) < 2:
+        return NotImplemented
+    return _rows_plan(call, "linear", _linear_batched, *_meta_of(F.linear, call), shared,
+                      zero_padding=len(call.nodes) == 3)
 
 
 def _linear_batched(batch):
