@@ -48,6 +48,12 @@ PyObject* s_slice = nullptr;            // "slice"
 PyObject* s_requires_grad = nullptr;    // "requires_grad"
 PyObject* s_is_leaf = nullptr;          // "is_leaf"
 PyObject* s_dunder = nullptr;           // "__"
+PyObject* g_index_input_op = nullptr;   // graph.INDEX_INPUT
+PyObject* g_index_dtypes = nullptr;     // graph._INDEX_DTYPES (a frozenset)
+PyObject* g_no_args = nullptr;          // ()
+PyObject* s_is_cpu = nullptr;           // "is_cpu"
+PyObject* s_shape_attr = nullptr;       // "shape"
+PyObject* s_index_input = nullptr;      // "index input"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
@@ -60,6 +66,38 @@ PyObject* graph_dtype(PyObject* graph) {
   if (fixed != Py_None) return fixed;
   Py_DECREF(fixed);
   return checked(PyObject_GetAttr(graph, s_dtype));
+}
+
+// A one-element integer tensor on the CPU (a class target, a row, `torch.tensor([label])` made
+// afresh at every call): its node, an INDEX_INPUT holding the int the tensor holds now, as
+// Graph.input_node makes it, without input_node's Python (~2 us per target). Read only while
+// no torch function mode is on (a call is recorded with the capture mode off torch's stack),
+// so that reading the tensor dispatches to nothing. -1 where it does not apply.
+i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_tensor_type) ||
+      torch_function_mode_enabled())
+    return -1;
+  Owned dtype{PyObject_GetAttr(x, s_dtype)};
+  const int index = PySet_Contains(g_index_dtypes, dtype.get());
+  if (index < 0) throw PythonError{};
+  if (!index || Owned{PyObject_GetAttr(x, s_is_cpu)}.get() != Py_True) return -1;
+  Owned size{PyObject_GetAttr(x, s_shape_attr)};
+  Owned shape{PySequence_Tuple(size.get())};
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape.get()); ++i)
+    if (PyLong_AsLongLong(PyTuple_GET_ITEM(shape.get(), i)) != 1) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return -1;  // not one element
+    }
+  Owned value{PyNumber_Long(x)};
+  Owned key{PyTuple_Pack(3, s_index_input, shape.get(), dtype.get())};
+  PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, shape.get(), key.get(), Py_None,
+                           value.get()};
+  Owned out{
+      PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
+  const i64 node = reinterpret_cast<Expression*>(out.get())->id;
+  Owned id{PyLong_FromLongLong(node)};
+  if (PyDict_SetItem(node_dtypes, id.get(), dtype.get()) < 0) throw PythonError{};
+  return node;
 }
 
 // One pass over one call.
@@ -89,7 +127,8 @@ struct TakeApart {
         return v;
       }
     }
-    return operand_node(g, x);
+    const i64 index = index_input(graph, node_dtypes, x);
+    return index >= 0 ? index : operand_node(g, x);
   }
 
   PyObject* slot(i64 node, bool from_weight) {  // new reference: the _Slot
@@ -227,28 +266,53 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture.py `_Call`). With `handler`, and a plan of "
+    "recorded by the capture layer (see capture.py `_Call`) in `graph` (None: the graph of its "
+    "operands, as capture._graph_of). With `handler`, and a plan of "
     "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
     "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
     "key, or a recipe of the handler's own).";
 
+// The graph of a call's operands, as capture._graph_of finds it: the first expression's among
+// the arguments (one level into a list or tuple), then the keywords'; else the current graph.
+PyObject* graph_of_call(PyObject* args, PyObject* kwargs) {  // a new reference
+  auto in = [](PyObject* x) -> PyObject* {
+    if (PyObject_TypeCheck(x, &ExpressionBase))
+      return reinterpret_cast<PyObject*>(reinterpret_cast<Expression*>(x)->graph);
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x))
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); ++i)
+        if (PyObject_TypeCheck(PySequence_Fast_GET_ITEM(x, i), &ExpressionBase))
+          return reinterpret_cast<PyObject*>(
+              reinterpret_cast<Expression*>(PySequence_Fast_GET_ITEM(x, i))->graph);
+    return nullptr;
+  };
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
+    if (PyObject* g = in(PyTuple_GET_ITEM(args, i))) return Py_NewRef(g);
+  PyObject *name, *value;
+  Py_ssize_t pos = 0;
+  while (kwargs != Py_None && PyDict_Next(kwargs, &pos, &name, &value))
+    if (PyObject* g = in(value)) return Py_NewRef(g);
+  return checked(PyObject_CallNoArgs(g_current_graph));
+}
+
 PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   return guarded([&]() -> PyObject* {
-    if (argc < 4 || argc > 5 || !PyObject_TypeCheck(argv[0], &StoreType) ||
-        !PyTuple_Check(argv[1]) || !(argv[2] == Py_None || PyDict_Check(argv[2])) ||
-        !PyTuple_Check(argv[3]))
+    if (argc < 4 || argc > 5 || !PyTuple_Check(argv[1]) ||
+        !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
       raise(PyExc_TypeError,
             "take_apart(graph, args: tuple, kwargs: dict, weights: tuple, handler=None)");
     if (!g_slot_type) raise(PyExc_RuntimeError, "take_apart: configure_capture() was not called");
-    Store* g = reinterpret_cast<Store*>(argv[0]);
+    Owned graph{argv[0] == Py_None ? graph_of_call(argv[1], argv[2]) : Py_NewRef(argv[0])};
+    if (!PyObject_TypeCheck(graph.get(), &StoreType))
+      raise(PyExc_TypeError, "take_apart: graph must be a flybatch Graph or None");
+    Store* g = reinterpret_cast<Store*>(graph.get());
     check_open(g);
     TakeApart t{};
     t.g = g;
-    t.graph = argv[0];
-    Owned shadows{PyObject_GetAttr(argv[0], s_shadows)};
+    t.graph = graph.get();
+    Owned shadows{PyObject_GetAttr(graph.get(), s_shadows)};
     t.shadows =
         PyDict_Check(shadows.get()) && PyDict_GET_SIZE(shadows.get()) ? shadows.get() : nullptr;
-    Owned node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
+    Owned node_dtypes{PyObject_GetAttr(graph.get(), s_node_dtypes)};
     if (!PyDict_Check(node_dtypes.get()))
       raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
     t.node_dtypes = node_dtypes.get();
@@ -291,7 +355,7 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
       if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type))
-        return append_planned(argv[0], plan, nodes_tuple.get(), node_dtypes.get());
+        return append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
       if (plan) return Py_NewRef(plan);  // NotImplemented, or a recipe the handler applies
     }
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
@@ -301,15 +365,21 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 }
 
 const char kConfigureDoc[] =
-    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type)\n\n"
+    "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type, "
+    "index_input_op, index_dtypes)\n\n"
     "What take_apart builds and calls: capture._Slot, capture._key, "
-    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan.";
+    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan, "
+    "graph.INDEX_INPUT, graph._INDEX_DTYPES.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
-  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type;
-  if (!PyArg_ParseTuple(args, "OOOOO!O!:configure_capture", &slot_type, &key_of, &parameter_op,
-                        &node_of_tensor, &PyDict_Type, &plans, &PyType_Type, &plan_type))
+  PyObject *slot_type, *key_of, *parameter_op, *node_of_tensor, *plans, *plan_type,
+      *index_input_op, *index_dtypes;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!OO!:configure_capture", &slot_type, &key_of,
+                        &parameter_op, &node_of_tensor, &PyDict_Type, &plans, &PyType_Type,
+                        &plan_type, &index_input_op, &PyFrozenSet_Type, &index_dtypes))
     return nullptr;
+  Py_XSETREF(g_index_input_op, Py_NewRef(index_input_op));
+  Py_XSETREF(g_index_dtypes, Py_NewRef(index_dtypes));
   Py_XSETREF(g_plans, Py_NewRef(plans));
   Py_XSETREF(g_plan_type, Py_NewRef(plan_type));
   if (slot_type != g_slot_type)
@@ -351,6 +421,9 @@ PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
 PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
 PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
 PyObject* g_unhandled = nullptr;        // capture._unhandled
+PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
+PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
+PyObject* s_is_floating_point = nullptr;  // "is_floating_point"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
 PyObject* s_name = nullptr;             // "__name__"
@@ -533,6 +606,27 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
 // writes into an expression refused, then the function's handler; a call without one, or whose
 // handler declines it (NotImplemented), goes on in capture._unhandled (in-place writes into
 // tensors, out=, generic nodes). In Python this head cost ~0.3 us per recorded call.
+// The fb op of a unary function (torch.sigmoid(x), x.tanh()) of one floating expression and
+// nothing else, as capture._fb_unary maps it, without its Python frame (~6 such calls per
+// Tree-LSTM node); NULL (no error) for any other call, which the handler decides.
+PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (PyTuple_GET_SIZE(args) != 1 || PyDict_GET_SIZE(kwargs)) return nullptr;
+  PyObject* x = PyTuple_GET_ITEM(args, 0);
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type)) return nullptr;
+  PyObject* op = PyDict_GetItemWithError(g_fb_unary, func);  // borrowed
+  if (!op) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  Expression* e = reinterpret_cast<Expression*>(x);
+  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes_attr)};
+  Owned id{PyLong_FromLongLong(e->id)};
+  PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
+  if (!dtype && PyErr_Occurred()) throw PythonError{};
+  if (dtype && !truth(Owned{PyObject_GetAttr(dtype, s_is_floating_point)}.get())) return nullptr;
+  return checked(PyObject_CallOneArg(op, x));
+}
+
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
@@ -552,6 +646,7 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
       throw PythonError{};
     }
   }
+  if (PyObject* out = fb_unary(func, args, kwargs.get())) return out;
   PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
@@ -629,23 +724,25 @@ PyMethodDef kTorchFunction = {
 
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
-    "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled)\n\n"
+    "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled, "
+    "fb_unary)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
     "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
-    "_HANDLERS, _refuse_inplace, _unhandled.";
+    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
-      *current, *thread, *handlers, *refuse_inplace, *unhandled;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OO:configure_front", &PyType_Type, &mode_class,
+      *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OOO!:configure_front", &PyType_Type, &mode_class,
                         &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &reads_value,
                         &PyFrozenSet_Type, &rebinds,
                         &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
-                        &refuse_inplace, &unhandled))
+                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops))
     return nullptr;
+  Py_XSETREF(g_fb_unary, Py_NewRef(fb_unary_ops));
   Py_XSETREF(g_describe, Py_NewRef(describe));
   Py_XSETREF(g_reads_value, Py_NewRef(reads_value));
   Py_XSETREF(g_rebinds, Py_NewRef(rebinds));
@@ -682,6 +779,12 @@ PyMethodDef kCaptureMethods[] = {
 
 }  // namespace
 
+PyObject* capture_mode_call(PyObject* mode, PyObject* func, PyObject* types, PyObject* args,
+                            PyObject* kwargs) {
+  PyObject* call[4] = {func, types, args, kwargs};
+  return torch_function(mode, call, 4, nullptr);
+}
+
 bool register_capture(PyObject* module) {
   s_shadows = PyUnicode_InternFromString("shadows");
   s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
@@ -702,9 +805,15 @@ bool register_capture(PyObject* module) {
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_is_leaf = PyUnicode_InternFromString("is_leaf");
   s_dunder = PyUnicode_InternFromString("__");
+  s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
+  s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
+  s_shape_attr = PyUnicode_InternFromString("shape");
+  s_index_input = PyUnicode_InternFromString("index input");
+  g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
+  return s_node_dtypes_attr && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

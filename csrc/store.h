@@ -277,5 +277,6 @@ PyObject* register_store(PyObject* module);
 bool register_rules(PyObject* module);
 bool register_fused(PyObject* module);
 bool register_capture(PyObject* module);
+bool register_dispatch(PyObject* module);
 
 }  // namespace flybatch

@@ -13,13 +13,16 @@ against eager torch, and the errors of what cannot be recorded.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import flybatch as fb
+from flybatch.graph import INDEX_INPUT
 from native import (ATOL, assert_same_training, check, run_batched, run_eager,
                     seeded)
 
@@ -891,6 +894,16 @@ def test_peeks_return_python_values_and_backward_fills_grads():
     assert w.grad.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 2.0]]
 
 
+def test_unary_functions_map_floating_expressions_onto_fb_ops_and_keep_integer_ones():
+    with fb.Graph() as g:
+        y = fb.input(torch.tensor([-2.0, 3.0]))
+        for out in (torch.sigmoid(y), y.tanh(), F.relu(y), torch.abs(y)):
+            assert g.op_of(out.id).name in ("sigmoid", "tanh", "relu", "abs")  # fb ops
+        assert F.relu(y, inplace=False).tolist() == [0.0, 3.0]
+        x = fb.input(torch.tensor([-2, 3]))
+        assert torch.abs(x).dtype == torch.int64 and torch.abs(x).tolist() == [2, 3]
+
+
 def test_calls_on_plain_tensors_run_eagerly():
     with fb.Graph() as g:
         h = torch.zeros(1, 3)
@@ -1034,6 +1047,27 @@ def test_one_element_integer_tensors_are_read_at_the_call():
         # embedding, [0], weights[i], *, unsqueeze, cross_entropy, stack, sum: each one launch
         assert g.stats().batches == 8
     torch.testing.assert_close((weights.grad, table.grad), want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("user_mode", [False, True])
+def test_fresh_one_element_indices_and_targets_keep_their_own_values_and_dtypes(user_mode):
+    """Made afresh at each call, under another mode of the user's too (then flybatch reads
+    them with every mode off)."""
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    scores = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    with (Passing() if user_mode else nullcontext()), fb.Graph() as g:
+        x = fb.input(scores)
+        picked = [torch.index_select(x, 0, torch.tensor([i], dtype=dtype))
+                  for i, dtype in ((3, torch.int64), (1, torch.int32), (2, torch.int64))]
+        losses = [F.cross_entropy(x, torch.tensor(y)) for y in (0, 2)]  # 0-d targets
+        assert [p.tolist() for p in picked] == [[0.0], [-1.0], [2.0]]
+        assert [loss.item() for loss in losses] == \
+            pytest.approx([F.cross_entropy(scores, torch.tensor(y)).item() for y in (0, 2)])
+        assert sorted(str(g.dtype_of(n)) for n in range(g.n_nodes)
+                      if g.op_of(n) is INDEX_INPUT) == ["torch.int32"] + ["torch.int64"] * 4
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -47,8 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
-from .graph import (_INDEX_DTYPES, PARAMETER, Expression, Graph, Op, _current, current_graph,
-                    live_graphs)
+from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, _current,
+                    current_graph, live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -559,7 +559,8 @@ class _Same(_Recipe):
 
 
 _SAME = _Same()
-_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan)
+_core.configure_capture(_Slot, _key, PARAMETER, Graph._operand, _PLANS, _Plan, INDEX_INPUT,
+                        _INDEX_DTYPES)
 
 
 def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
@@ -581,13 +582,12 @@ def _record(handler: Callable, args: tuple, kwargs: dict | None, build: Callable
     """What a handler's call gives by its plan for (constants, operands): the node of a
     `_Plan` (when the plan is known, the whole path is one C call), a recipe's result, or
     NotImplemented. An unknown key gets its plan from `build` (see `_plan_of`)."""
-    g = _graph_of(args, kwargs or {})
-    out = _core.take_apart(g, args, kwargs, weights, handler)
+    out = _core.take_apart(None, args, kwargs, weights, handler)  # (the graph of the operands)
     if type(out) is tuple:  # no plan yet: the call's parts
-        call = _Call(args, kwargs or {}, g, weights, out)
+        call = _Call(args, kwargs or {}, None, weights, out)
         out = _plan_of(handler, call, build)
         if type(out) is _Plan:
-            return out.append(g, call.nodes)
+            return out.append(call.graph, call.nodes)
     return out.apply(args) if isinstance(out, _Recipe) else out
 
 
@@ -1146,25 +1146,27 @@ def _reshape_rows(row_shape, batch):
 
 def _linear(x, weight, bias=None):
     operands = (x, weight) if bias is None else (x, weight, bias)
-
-    def build(call):
-        shared = call.weights_shared()
-        if shared is None:
-            return NotImplemented  # a per-instance weight: generic
-        return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
-
-    def rows(call):  # of a length-led input (n, ..., D): each row, zeros again past a bias
-        shared = call.weights_shared()
-        if shared is None or len(call.operands[0][0]) < 2:
-            return NotImplemented
-        return _rows_plan(call, "linear", _linear_batched, *_meta_of(F.linear, call), shared,
-                          zero_padding=bias is not None)
-
     if _led(x):
-        out = _across_lengths(_linear, operands, None, rows, (1, 2))
+        out = _across_lengths(_linear, operands, None, _linear_rows, (1, 2))
         if out is not NotImplemented:
             return out
-    return _record(_linear, operands, None, build, (1, 2))
+    return _record(_linear, operands, None, _linear_plan, (1, 2))
+
+
+def _linear_plan(call):
+    shared = call.weights_shared()
+    if shared is None:
+        return NotImplemented  # a per-instance weight: generic
+    return ("linear", _linear_batched, *_meta_of(F.linear, call), shared, False)
+
+
+def _linear_rows(call):
+    """Of a length-led input (n, ..., D): each row, zeros again past a bias."""
+    shared = call.weights_shared()
+    if shared is None or len(call.operands[0][0]) < 2:
+        return NotImplemented
+    return _rows_plan(call, "linear", _linear_batched, *_meta_of(F.linear, call), shared,
+                      zero_padding=len(call.nodes) == 3)
 
 
 def _linear_batched(batch):
@@ -1665,10 +1667,24 @@ def _hidden_of(states, lstm):
 
 
 _HANDLERS: dict[Callable, Callable] = {}
+# The unary functions `_fb_unary` maps onto an fb op: `torch_call` applies the op itself to one
+# floating expression without other arguments, the commonest call, and calls the handler else.
+_FB_UNARY: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled)
+                      _refuse_inplace, _unhandled, _FB_UNARY)
+
+# torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
+# methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
+# too: it cost more than recording the call. Each of those modules imported that name, so it is
+# rebound there, here and only here, to `_core.handle_torch_function` (csrc/dispatch.cpp), which
+# does the same in C when the innermost mode is capture's own and calls torch's otherwise. A
+# module where the name is no longer torch's (something else rebound it) is left as it is.
+_core.configure_dispatch(_Capture, torch.overrides.handle_torch_function)
+for _module in (F, torch.functional, torch._tensor):
+    if _module.handle_torch_function is torch.overrides.handle_torch_function:
+        _module.handle_torch_function = _core.handle_torch_function
 
 
 def _register(funcs, handler) -> None:
@@ -1697,8 +1713,11 @@ _unary_ops = {
     "abs": (torch.abs, T.abs, T.__abs__), "sqrt": (torch.sqrt, T.sqrt),
     "square": (torch.square, T.square), "neg": (torch.neg, T.neg, T.__neg__, torch.negative),
 }
+_unary_handlers = {}  # handler -> its fb op, for _FB_UNARY
 for _op, _funcs in _unary_ops.items():
-    _register(_funcs, _fb_unary(getattr(ops, _op)))
+    _handler = _fb_unary(getattr(ops, _op))
+    _unary_handlers[_handler] = getattr(ops, _op)
+    _register(_funcs, _handler)
 _binary_ops = {
     "add": ((torch.add, T.add, T.__add__), (T.__radd__,)),
     "sub": ((torch.sub, T.sub, T.__sub__, torch.subtract), (T.__rsub__,)),
@@ -1784,6 +1803,8 @@ _register((torch._pack_padded_sequence,), _pack_padded)
 _register((torch._pad_packed_sequence,), _pad_packed)
 _register((torch.lstm,), _rnn(4))
 _register((torch.gru,), _rnn(3))
+# (those whose handler is still `_fb_unary`'s: Tensor.exp and Tensor.sqrt run elementwise)
+_FB_UNARY.update({f: _unary_handlers[h] for f, h in _HANDLERS.items() if h in _unary_handlers})
 
 
 # ---- expressions as per-instance tensors ---------------------------------------------------
