@@ -1140,3 +1140,15 @@ def test_the_capture_modes_torch_function_is_called_as_a_python_method_would_be(
                 lambda: mode.__torch_function__(torch.add, (), (), [])):
         with pytest.raises(TypeError):
             bad()
+
+
+def test_a_generic_call_whose_vmap_rule_is_wrong_runs_per_instance():
+    # torch.vmap's rule for index_select with a 0-d index returns the whole row: the output
+    # shape, not that of the call (known from meta tensors), says not to trust it.
+    rows = [torch.arange(5.0) * k for k in range(1, 4)]
+    with fb.Graph():
+        picked = [torch.index_select(fb.input(r) * 1.0, 0, torch.tensor(k)) for k, r in
+                  enumerate(rows)]
+        got = [p.value() for p in picked]
+    for k, (r, p) in enumerate(zip(rows, got)):
+        assert torch.equal(p, torch.index_select(r, 0, torch.tensor(k)))

@@ -390,6 +390,7 @@ def _generic_kernel(xs, attr, shape):
         return out if out_index is None else out[out_index]
 
     in_dims = tuple(None if s else 0 for s in shared)
+    out = None
     if all(s for s in shared):
         out = one(*batch).unsqueeze(0)
     else:
@@ -397,9 +398,14 @@ def _generic_kernel(xs, attr, shape):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # vmap's "falling back to a slow loop" warnings
                 out = torch.vmap(one, in_dims=in_dims, randomness="different")(*batch)
-        except Exception:  # no batching rule: one call per node
-            out = torch.stack([one(*[t if s else t[i] for t, s in zip(batch, shared)])
-                               for i in range(size)])
+        except Exception:  # no batching rule
+            pass
+    # A batching rule may also be wrong: torch 2.13's index_select with a 0-d index gives the
+    # whole row per instance. An output of another shape than the call's own (from meta
+    # tensors) is not trusted.
+    if out is None or tuple(out.shape[1:]) != tuple(shape):  # one call per node
+        out = torch.stack([one(*[t if s else t[i] for t, s in zip(batch, shared)])
+                           for i in range(size)])
     if func in _PRODUCTS and len(args) >= 2:  # each output a dot over the first's last axis
         a, b = _fill(args[:2], batch)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
