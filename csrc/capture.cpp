@@ -430,6 +430,7 @@ PyObject* s_name = nullptr;             // "__name__"
 PyObject* s_self = nullptr;             // "__self__"
 PyObject* s_optimizer_step = nullptr;   // "optimizer_step"
 PyObject* s_closed = nullptr;           // "closed"
+PyObject* s_base = nullptr;             // "_base"
 
 // getattr(x, name, default) as a new reference.
 PyObject* attr_or(PyObject* x, PyObject* name, PyObject* default_value) {
@@ -502,6 +503,15 @@ struct Scan {
       const int shadowed = PySequence_Contains(shadows, id.get());
       if (shadowed < 0) throw PythonError{};
       if (shadowed) return true;
+      // A view of a shadowed tensor taken before the write still shows the old values: the
+      // call is recorded, and Graph._operand refuses it with a clear error.
+      Owned base{PyObject_GetAttr(x, s_base)};
+      if (base.get() != Py_None) {
+        Owned base_id{PyLong_FromVoidPtr(base.get())};
+        const int stale = PySequence_Contains(shadows, base_id.get());
+        if (stale < 0) throw PythonError{};
+        if (stale) return true;
+      }
     }
     // A parameter (a leaf that requires grad): recorded, so its uses batch. A computed tensor
     // with grad (a value the graph returned, an eager result) runs eagerly, which is exactly
@@ -802,6 +812,7 @@ bool register_capture(PyObject* module) {
   s_self = PyUnicode_InternFromString("__self__");
   s_optimizer_step = PyUnicode_InternFromString("optimizer_step");
   s_closed = PyUnicode_InternFromString("closed");
+  s_base = PyUnicode_InternFromString("_base");
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_is_leaf = PyUnicode_InternFromString("is_leaf");
   s_dunder = PyUnicode_InternFromString("__");
@@ -813,7 +824,7 @@ bool register_capture(PyObject* module) {
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_node_dtypes_attr && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed &&
+  return s_node_dtypes_attr && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

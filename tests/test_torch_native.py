@@ -1152,3 +1152,18 @@ def test_a_generic_call_whose_vmap_rule_is_wrong_runs_per_instance():
         got = [p.value() for p in picked]
     for k, (r, p) in enumerate(zip(rows, got)):
         assert torch.equal(p, torch.index_select(r, 0, torch.tensor(k)))
+
+
+def test_a_view_taken_before_the_graph_wrote_into_its_tensor_raises_instead_of_reading_stale():
+    # `row = out[1]` shares out's storage, which does not hold what the graph writes into out
+    # afterwards: eagerly `row` would show the write, so any use of it is refused.
+    proj = seeded(nn.Linear(3, 3))
+    with fb.Graph():
+        out = torch.zeros(2, 3)
+        row = out[1]
+        out[1] = proj(torch.ones(3))
+        for use in (lambda: torch.tanh(row), lambda: row.tolist(), lambda: row * 2,
+                    lambda: proj(row)):
+            with pytest.raises(RuntimeError, match=r"view of shape \(3,\).*before the graph"):
+                use()
+        assert out[1].tolist() == proj(torch.ones(3)).tolist()  # taken after: the new values

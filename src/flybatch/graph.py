@@ -452,6 +452,7 @@ class Graph(_core.Store):
                 shadow = self.shadows.get(id(x))
                 if shadow is not None and shadow[0] is x:
                     return shadow[1].id
+                self._refuse_stale_view(x)
             with _no_capture():  # (through the capture mode each attribute costs ~1.4 us)
                 requires_grad, leaf = x.requires_grad, x.is_leaf
             if not requires_grad:
@@ -466,6 +467,22 @@ class Graph(_core.Store):
         if isinstance(x, Expression):
             return self.node_of(x)
         raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
+
+    def _refuse_stale_view(self, x: torch.Tensor) -> None:
+        """A view taken of a plain tensor BEFORE the graph wrote into it (`row = out[1]`, then
+        `out[1] = h`) shares the tensor's storage, which does not hold what the graph wrote:
+        eagerly it would show the write, here it would silently read the old values."""
+        with _no_capture():
+            base = x._base
+        if base is None:
+            return
+        shadow = self.shadows.get(id(base))
+        if shadow is not None and shadow[0] is base:
+            raise RuntimeError(
+                f"a view of shape {tuple(x.shape)} of a tensor of shape {tuple(base.shape)} "
+                "was taken before the graph wrote expressions into that tensor: it still holds "
+                "the old values, where eagerly it would show the write. Take the view after "
+                "the write (e.g. index the tensor where the view is used)")
 
     def _lookup_tag(self, table: torch.Tensor) -> tuple:
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
