@@ -846,13 +846,9 @@ Rule* esum_rule() {
 
 // The terms of a flattened `a + b`, or NULL (no error set) when the rule does not apply.
 PyObject* flat_sum_terms(PyObject* a, PyObject* b) {
-  const auto is_expression = [](PyObject* x) {
-    return PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_expression_type));
-  };
-  if (!g_rules[kAdd] || !g_expression_type || !is_expression(a) || !is_expression(b))
-    return nullptr;
-  Expression* ea = reinterpret_cast<Expression*>(a);
-  Expression* eb = reinterpret_cast<Expression*>(b);
+  if (!g_rules[kAdd] || !is_expression(a) || !is_expression(b)) return nullptr;
+  Expression* ea = as_expression(a);
+  Expression* eb = as_expression(b);
   Store* g = ea->graph;
   if (eb->graph != g || g->closed || ea->id < g->n_done) return nullptr;  // computed: no gain
   Columns& c = *g->nodes;

@@ -791,8 +791,8 @@ def _as_written_into(func: Callable, target: torch.Tensor, new: Any, cast: bool 
 
 
 def _current_value(g: Graph, tensor: torch.Tensor) -> Any:
-    shadow = g.shadows.get(id(tensor))
-    return shadow[1] if shadow is not None and shadow[0] is tensor else tensor
+    new = g.shadow_of(tensor)
+    return tensor if new is None else new
 
 
 def _setitem_batched(key, batch):

@@ -449,9 +449,9 @@ class Graph(_core.Store):
         reads it."""
         if isinstance(x, torch.Tensor):
             if self.shadows:
-                shadow = self.shadows.get(id(x))
-                if shadow is not None and shadow[0] is x:
-                    return shadow[1].id
+                new = self.shadow_of(x)
+                if new is not None:
+                    return new.id
                 self._refuse_stale_view(x)
             with _no_capture():  # (through the capture mode each attribute costs ~1.4 us)
                 requires_grad, leaf = x.requires_grad, x.is_leaf
@@ -468,16 +468,18 @@ class Graph(_core.Store):
             return self.node_of(x)
         raise TypeError(f"cannot use {type(x).__name__} as an operand of a flybatch op")
 
+    def shadow_of(self, tensor: torch.Tensor) -> "Expression | None":
+        """The expression a plain tensor the graph wrote into now stands for, else None."""
+        shadow = self.shadows.get(id(tensor))
+        return shadow[1] if shadow is not None and shadow[0] is tensor else None
+
     def _refuse_stale_view(self, x: torch.Tensor) -> None:
         """A view taken of a plain tensor BEFORE the graph wrote into it (`row = out[1]`, then
         `out[1] = h`) shares the tensor's storage, which does not hold what the graph wrote:
         eagerly it would show the write, here it would silently read the old values."""
         with _no_capture():
             base = x._base
-        if base is None:
-            return
-        shadow = self.shadows.get(id(base))
-        if shadow is not None and shadow[0] is base:
+        if base is not None and self.shadow_of(base) is not None:
             raise RuntimeError(
                 f"a view of shape {tuple(x.shape)} of a tensor of shape {tuple(base.shape)} "
                 "was taken before the graph wrote expressions into that tensor: it still holds "
