@@ -421,6 +421,8 @@ class Graph(_core.Store):
                 raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
                                  "device has no values to compute with")
             shape, dtype = tuple(tensor.shape), tensor.dtype
+            # (capture.cpp `index_input` makes the same node for a recorded call's operands,
+            # without this Python: keep the two keys alike, or their nodes stop batching.)
             if dtype in _INDEX_DTYPES and tensor.numel() == 1 and tensor.device.type == "cpu":
                 node = self.add(INDEX_INPUT, (), shape, ("index input", shape, dtype), None,
                                 int(tensor)).id
