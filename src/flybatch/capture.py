@@ -1573,7 +1573,7 @@ def _rnn(gates: int):
             if fused is not None:
                 output, *finals = fused
                 return (output.transpose(0, 1) if batch_first else output, *finals)
-        length, rows = input.shape[0], input.shape[1]
+        length = input.shape[0]
         directions = 2 if bidirectional else 1
         per_layer = 4 if has_biases else 2
         h0, c0 = hx if lstm else (hx, None)
