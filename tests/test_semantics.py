@@ -63,6 +63,21 @@ def test_a_node_written_under_no_grad_carries_no_gradient(strategy):
     torch.testing.assert_close(W.grad, grad)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_loss_made_with_grad_inside_a_no_grad_region_back_propagates_as_eagerly(strategy):
+    torch.manual_seed(0)
+    W = _param(3, 3)
+    x = torch.randn(3, dtype=F64)
+    with torch.no_grad(), fb.Graph(strategy):
+        with torch.enable_grad():
+            loss = torch.tanh(W @ x).sum()
+        assert loss.requires_grad
+        loss.backward()  # backward needs no grad mode, eagerly either
+    expected = torch.tanh(W @ x).sum()
+    (grad,) = torch.autograd.grad(expected, W)
+    torch.testing.assert_close(W.grad, grad)
+
+
 def test_each_node_takes_the_grad_mode_in_force_at_its_call_through_nesting_and_switches():
     W = _param(2, 2)
     x = torch.ones(2, dtype=F64)

@@ -557,7 +557,7 @@ class Graph(_core.Store):
         if self.padded or any(node >= self.n_done for node in nodes):
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
-        with _no_capture():  # once for all rows (the parser asks for 64 per step)
+        with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
 
     def _stacked(self, nodes: list[int]) -> torch.Tensor:
@@ -570,15 +570,15 @@ class Graph(_core.Store):
                              + (", ".join(map(str, sorted(shapes))) if shapes else "none"))
         if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
             rows = [self.value_of(node) for node in nodes]
-            with _no_capture():
+            with _no_capture(), torch.enable_grad():
                 return torch.stack(rows)
         positions = [self.position(node) for node in nodes]
         batch = positions[0][0]
         if any(b != batch for b, _ in positions):
             rows = [self.value_of(node) for node in nodes]
-            with _no_capture():
+            with _no_capture(), torch.enable_grad():
                 return torch.stack(rows)
-        with _no_capture():
+        with _no_capture(), torch.enable_grad():
             source, first = self.values[batch], positions[0][1]
             if batch in self.padded:  # rows as long as the longest node's: the nodes' length
                 source = source.narrow(1, 0, self.shape_of(nodes[0])[0])
@@ -595,7 +595,9 @@ class Graph(_core.Store):
             if node >= self.n_done:
                 self.forward()
         batch, row = self.position(node)
-        with _no_capture():
+        # The row keeps the node's autograd history whatever the caller's grad mode, as an
+        # eager tensor does (`backward()` under `torch.no_grad()` of a loss made with grad).
+        with _no_capture(), torch.enable_grad():
             value = self.values[batch][row]
             if batch in self.padded:  # the node's own length of a padded row
                 value = value.narrow(0, 0, self.shape_of(node)[0])
