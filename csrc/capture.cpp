@@ -423,7 +423,6 @@ PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
 PyObject* g_unhandled = nullptr;        // capture._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
-PyObject* s_is_floating_point = nullptr;  // "is_floating_point"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
 PyObject* s_name = nullptr;             // "__name__"
@@ -633,7 +632,7 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   Owned id{PyLong_FromLongLong(e->id)};
   PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
   if (!dtype && PyErr_Occurred()) throw PythonError{};
-  if (dtype && !truth(Owned{PyObject_GetAttr(dtype, s_is_floating_point)}.get())) return nullptr;
+  if (dtype) return nullptr;  // not of the graph's floating dtype, which the fb op computes in
   return checked(PyObject_CallOneArg(op, x));
 }
 
@@ -818,13 +817,12 @@ bool register_capture(PyObject* module) {
   s_dunder = PyUnicode_InternFromString("__");
   s_is_cpu = PyUnicode_InternFromString("is_cpu");
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
-  s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_node_dtypes_attr && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  return s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

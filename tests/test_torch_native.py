@@ -904,6 +904,40 @@ def test_unary_functions_map_floating_expressions_onto_fb_ops_and_keep_integer_o
         assert torch.abs(x).dtype == torch.int64 and torch.abs(x).tolist() == [2, 3]
 
 
+PROMOTING = {  # an operand not of the graph's floating dtype: torch's type promotion decides
+    "mask.long() + 1": lambda h: (h > 0).long() + 1,
+    "2 * mask.long()": lambda h: 2 * (h > 0).long(),
+    "1 - mask.int()": lambda h: 1 - (h > 0).int(),
+    "-mask.long()": lambda h: -(h > 0).long(),
+    "mask.long() / 2": lambda h: (h > 0).long() / 2,
+    "h.float() * 3": lambda h: h.float() * 3,
+    "h.float() + h.float()": lambda h: h.float() + h.float(),
+    "torch.sigmoid(h.float())": lambda h: torch.sigmoid(h.float()),
+    "h.float().tanh() - 1": lambda h: h.float().tanh() - 1,
+    "h + mask.long()": lambda h: h + (h > 0).long(),
+}
+
+
+@pytest.mark.parametrize("expression", PROMOTING)
+def test_operators_on_expressions_of_another_dtype_promote_as_torch_does(expression):
+    x = torch.tensor([-1.5, 0.25, 2.0], dtype=F64)
+    w = nn.Parameter(torch.tensor([1.0, -3.0, 0.5], dtype=F64))
+    expected = PROMOTING[expression](w * x)
+    with fb.Graph():
+        got = PROMOTING[expression](w * x)
+        assert got.dtype == expected.dtype
+        assert torch.equal(got.value().detach(), expected.detach())
+
+
+def test_an_integer_expression_computed_per_instance_indexes_an_embedding():
+    emb = seeded(nn.Embedding(4, 3))
+    w = nn.Parameter(torch.tensor([1.0, -3.0, 0.5], dtype=F64))
+    expected = emb((w > 0).long() + 1).sum()
+    with fb.Graph():
+        got = emb((w * 1.0 > 0).long() + 1).sum()  # a float index: F.embedding would refuse it
+        torch.testing.assert_close(got.value(), expected, rtol=0, atol=ATOL)
+
+
 def test_calls_on_plain_tensors_run_eagerly():
     with fb.Graph() as g:
         h = torch.zeros(1, 3)

@@ -915,8 +915,7 @@ def _tensor_getitem(x, key):
 # ---- the fast mappings ------------------------------------------------------------------------
 def _is_float(g: Graph, x: Any) -> bool:
     if isinstance(x, Expression):  # (not g.dtype_of: it would fix the graph's dtype early)
-        dtype = g.node_dtypes.get(x.id)
-        return dtype is None or dtype.is_floating_point
+        return x.id not in g.node_dtypes  # of the graph's floating dtype, which fb ops compute in
     if isinstance(x, torch.Tensor):
         return x.is_floating_point()
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -1700,6 +1699,26 @@ def _register(funcs, handler) -> None:
 
 
 T = torch.Tensor
+
+# The Expression operators + - * / @ and unary - (csrc/rules.cpp) of an operand that is not of
+# the graph's floating dtype: torch's type promotion decides the result's dtype (`mask.long() +
+# 1` is an integer, `h.float() * 3` a float32), so they are recorded as the Tensor operators,
+# by operator: (the operator, its reflection for a plain left operand).
+_TENSOR_OPERATORS = ((T.__add__, T.__radd__), (T.__sub__, T.__rsub__), (T.__mul__, T.__rmul__),
+                     (T.__truediv__, T.__rtruediv__), (T.__matmul__, T.__rmatmul__),
+                     (T.__neg__, None))
+
+
+def _tensor_operator(which: int, a: Any, b: Any) -> Any:
+    operator, reflected = _TENSOR_OPERATORS[which]
+    if reflected is None:  # unary -
+        return torch_call(operator, (a,), {})
+    if isinstance(a, Expression):
+        return torch_call(operator, (a, b), {})
+    return torch_call(reflected, (b, a), {})
+
+
+ops._tensor_operator = _tensor_operator
 
 
 def _shadowed_property(name: str) -> Callable:
