@@ -31,6 +31,7 @@ value in the calls that follow (`Graph.shadows`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -121,9 +122,24 @@ _REBOUND_ATTRIBUTES = frozenset({"requires_grad", "data"})  # `p.requires_grad =
 
 def _forget(tensor) -> None:
     if isinstance(tensor, torch.Tensor):
+        _before_write(tensor)  # what pending nodes read of it is what it holds before
         for graph in list(live_graphs):  # rare: a handful of graphs at most are alive
             if not graph.closed:
                 graph.forget(tensor)
+
+
+def _before_write(target) -> None:
+    """Before `target` (a tensor, or a list of them: `torch._foreach_add_`) is written in place
+    or rebound (`W.data.copy_(...)`, `W.add_(...)` under no_grad, an optimizer's step, `W.data
+    = ...`): parameters and embedding tables are read when a forward runs, so the pending nodes
+    of a graph that reads its storage run first, and see what they would have seen eagerly.
+    A forward that fails leaves its nodes pending (it raises again at their value request,
+    unless this write is the fix: `W.data = W.data.float()`)."""
+    tensors = target if isinstance(target, (list, tuple)) else (target,)
+    for graph in list(live_graphs):
+        if not graph.closed and graph.n_done < graph.n_nodes and graph.reads_later(tensors):
+            with contextlib.suppress(Exception):
+                graph.forward()
 
 
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
@@ -1677,7 +1693,7 @@ _HANDLERS: dict[Callable, Callable] = {}
 _FB_UNARY: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
-                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
+                      _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
                       _refuse_inplace, _unhandled, _FB_UNARY)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor

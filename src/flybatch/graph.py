@@ -353,6 +353,23 @@ class Graph(_core.Store):
             self.set_parameter_tag(node, signatures.tag(self, tensor))
         return node
 
+    def reads_later(self, tensors: Sequence[Any]) -> bool:
+        """Whether one of `tensors` shares its storage with a tensor that this graph reads when
+        its forward runs: a parameter, a constant part of one (`U_f[0]`) or an embedding table
+        (inputs are copied at the call instead)."""
+        with _no_capture():
+            storages = {t.untyped_storage().data_ptr() for t in tensors
+                        if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+            storages.discard(0)  # no storage of its own (empty)
+            if not storages:
+                return False
+            for obj, *_ in self.tags.values():
+                if isinstance(obj, ParameterView):
+                    obj = obj.parameter
+                if isinstance(obj, torch.Tensor) and obj.untyped_storage().data_ptr() in storages:
+                    return True
+        return False
+
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
         value = self.attr_of(node)
@@ -715,10 +732,15 @@ class Graph(_core.Store):
                 f"done={self.n_done}, batches={len(self.launches)})")
 
 
+def _library_module(name: str) -> bool:
+    return any(name == lib or name.startswith(lib + ".") for lib in ("flybatch", "torch"))
+
+
 def _user_line() -> str:
-    """"file:line: code" of the innermost caller outside flybatch (debug mode only)."""
+    """"file:line: code" of the innermost caller outside flybatch and torch (debug mode only):
+    the user's line, not the torch function it called (`F.embedding` of a captured module)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("flybatch"):
+    while frame is not None and _library_module(frame.f_globals.get("__name__", "")):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
