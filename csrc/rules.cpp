@@ -511,9 +511,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       Py_DECREF(bounds);
       if (failed < 0) throw PythonError{};
       PySlice_AdjustIndices(a[0], &begin, &end, step);
-      if (end <= begin)
-        raise(PyExc_IndexError, "slice: [%S:%S] is empty for shape %R", extra[0], extra[1],
-              shape_tuple(g, args[0]));
+      if (end < begin) end = begin;  // empty, as in torch (`h[k:]` with k == len(h))
       out_dims.assign(a.d, a.d + a.n);
       out_dims[0] = end - begin;
       attr = owned_attr = Py_BuildValue("(nn)", begin, end);
