@@ -81,6 +81,19 @@ def test_shape_error_is_a_value_error():
     assert issubclass(fb.ShapeError, ValueError)
 
 
+def test_torch_code_that_catches_a_shape_runtime_error_catches_it_inside_a_graph_too():
+    W = torch.nn.Parameter(torch.randn(3, 3))
+
+    def project(x):  # eager torch raises RuntimeError for the mismatch
+        try:
+            return W @ x
+        except RuntimeError:
+            return W @ x[:3]
+
+    with fb.Graph():
+        assert project(fb.input(torch.ones(4))).shape == (3,)
+
+
 def test_a_rejected_op_adds_no_node_and_the_graph_stays_usable():
     with fb.Graph() as g:
         x, y = v(3), v(4)
