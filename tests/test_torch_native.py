@@ -1045,6 +1045,27 @@ def test_autograd_grad_of_an_expression_raises_a_clear_error():
             torch.autograd.grad(y, w)
 
 
+@pytest.mark.parametrize("hook", ["register_hook", "retain_grad"])
+def test_gradient_hooks_on_an_expression_raise_a_clear_error(hook):
+    w = nn.Parameter(torch.randn(3))
+    with fb.Graph():
+        y = w * 2.0
+        with pytest.raises(TypeError, match=rf"Tensor\.{hook} of a flybatch expression"):
+            getattr(y, hook)(*([print] if hook == "register_hook" else []))
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook")
+@pytest.mark.parametrize("register", ["register_full_backward_hook",
+                                      "register_full_backward_pre_hook", "register_backward_hook"])
+def test_a_module_with_backward_hooks_is_refused_in_a_graph_not_silently_unhooked(register):
+    linear = seeded(nn.Linear(3, 2))
+    getattr(linear, register)(lambda *args: None)
+    with fb.Graph():
+        with pytest.raises(TypeError, match="Linear has backward hooks"):
+            linear(fb.input(torch.randn(3)))
+    assert linear(torch.randn(3)).shape == (2,)  # outside a graph block, as ever
+
+
 def test_detach_stops_the_gradient():
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     with fb.Graph():

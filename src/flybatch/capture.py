@@ -156,6 +156,27 @@ _optimizer.register_optimizer_step_pre_hook(_step_begins)
 _optimizer.register_optimizer_step_post_hook(_step_ends)
 
 
+# A module's backward hooks (`register_full_backward_hook`, `..._pre_hook`, the old
+# `register_backward_hook`) would be given one instance's gradients, which a graph computes
+# batched: torch would drop them with a warning (or fail inside its hook set-up), so a call of
+# such a module inside a graph block is refused, naming it.
+def _outside_graphs(get_hooks: Callable) -> Callable:
+    """`nn.Module._get_backward_hooks` (or `_pre_hooks`), which a module call asks only when it
+    has such hooks, refused inside a graph block."""
+    def get(module: torch.nn.Module):
+        graph = _current.get()
+        if getattr(_thread, "depth", 0) and graph is not None and not graph.closed:
+            raise TypeError(f"{type(module).__name__} has backward hooks, which cannot be given "
+                            "one instance's gradients inside a graph block (they are computed "
+                            "batched); remove them there, or read .grad after backward")
+        return get_hooks(module)
+    return get
+
+
+torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backward_hooks)
+torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
+
+
 # `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
 # graph, as nodes. Its head is in C (`_core.torch_call`, capture.cpp; every recorded call goes
 # through it): `_stacklevel` (nn.LogSoftmax's warning depth, not part of the computation)
@@ -2045,3 +2066,16 @@ def _autograd_grad(*args, **kwargs):
 
 
 _register((torch.autograd.grad,), _autograd_grad)
+
+
+def _refuse_gradient_hook(func: Callable) -> Callable:
+    def refuse(x, *args, **kwargs):
+        raise TypeError(f"Tensor.{func.__name__} of a flybatch expression is not supported: its "
+                        "gradient is computed batched with other instances', never as a tensor "
+                        "of its own; read the parameters' (or input tensors') .grad after "
+                        "backward")
+    return refuse
+
+
+for _func in (T.register_hook, T.retain_grad):
+    _register((_func,), _refuse_gradient_hook(_func))
