@@ -1074,6 +1074,33 @@ def test_detach_stops_the_gradient():
     assert w.grad.tolist() == [1.0, 2.0]
 
 
+def test_a_buffer_the_graph_wrote_into_keeps_its_gradient_history_after_the_block():
+    w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    xs = torch.randn(4, 3)
+    expected = torch.zeros(4, 3)
+    for i, x in enumerate(xs):
+        expected[i] = torch.tanh(w * x)
+    (grad,) = torch.autograd.grad((expected ** 2).sum(), w)
+    out = torch.zeros(4, 3)
+    with fb.Graph():
+        for i, x in enumerate(xs):
+            out[i] = torch.tanh(w * x)
+    assert out.requires_grad and not out.is_leaf
+    (out ** 2).sum().backward()  # after the block, as an eager buffer would
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=0, atol=ATOL)
+    torch.testing.assert_close(w.grad, grad, rtol=0, atol=ATOL)
+
+
+def test_a_block_that_raises_leaves_the_buffers_it_wrote_as_eagerly():
+    w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    out = torch.zeros(3)
+    with pytest.raises(KeyError):
+        with fb.Graph():
+            out.copy_(torch.tanh(w * 2.0))
+            raise KeyError("the user's own error, after the write")
+    torch.testing.assert_close(out.detach(), torch.tanh(w * 2.0).detach(), rtol=0, atol=ATOL)
+
+
 def test_one_element_integer_tensors_are_read_at_the_call():
     """A label or a row number in a one-element tensor (`torch.tensor([label])`) is an input of
     the value it holds at the call, of its own dtype, as eagerly: a buffer written again

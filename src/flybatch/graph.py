@@ -10,6 +10,7 @@ creation order, which is a topological order, so "pending" is simply `ids >= n_d
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import numbers
@@ -677,13 +678,18 @@ class Graph(_core.Store):
             raise GraphError("this graph is closed and its values were freed; "
                              "ask for values inside its `with` block")
 
-    def close(self, write_back: bool = True) -> None:
+    def close(self, write_back: bool = True, exc: BaseException | None = None) -> None:
         """Free the values (and the autograd graph behind them); further use raises GraphError.
         A plain tensor the graph wrote into (a buffer updated in place in a forward, a running
-        mean) first takes its last value, as eagerly it would hold it (`write_back`; not when
-        the block ends with an error)."""
+        mean) first takes its last value, as eagerly it would hold it (`write_back`), with its
+        gradient history if the value has one. When the block ends with an error, a write-back
+        that fails too (the forward it needs) is given up: the block's error is the one raised."""
         if write_back and self.shadows and not self.closed:
-            self._write_back()
+            if exc is None:
+                self._write_back()
+            else:
+                with contextlib.suppress(Exception):
+                    self._write_back()
         super().close()
         self.values = []
         self.padded = set()
@@ -695,9 +701,11 @@ class Graph(_core.Store):
     def _write_back(self) -> None:
         targets = [target for target, _ in self.shadows.values()]
         values = self.forward([new for _, new in self.shadows.values()])
-        with torch.no_grad(), _no_capture():
+        with _no_capture():
             for target, value in zip(targets, values):
-                target.copy_(value)
+                # eagerly `buf.copy_(h)` made `buf` part of h's autograd graph
+                with torch.set_grad_enabled(value.requires_grad and not target.requires_grad):
+                    target.copy_(value)
 
     def __enter__(self) -> "Graph":
         from . import capture
@@ -720,7 +728,8 @@ class Graph(_core.Store):
 
         capture.pop()
         if not self._entries:
-            self.close(write_back=exc[0] is None)
+            # (not after KeyboardInterrupt and the like: nothing more should run)
+            self.close(write_back=exc[0] is None or issubclass(exc[0], Exception), exc=exc[1])
 
     def stats(self):
         from .stats import collect
