@@ -29,14 +29,15 @@ def _param(*shape: int) -> torch.nn.Parameter:
 
 
 # ---- grad mode (item 1) --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_value_peeked_under_no_grad_keeps_the_gradient_of_the_forward_it_forced(strategy):
+def test_a_value_peeked_under_no_grad_keeps_the_gradient_of_the_forward_it_forced(strategy, mode):
     torch.manual_seed(0)
     W = _param(3, 3)
     x = torch.randn(3, dtype=F64)
     with fb.Graph(strategy, dtype=F64):
         score = fb.sum_elems(fb.tanh(fb.matmul(W, x)))
-        with torch.no_grad():
+        with mode():
             peeked = score.item()  # forces the forward with grad off
         score.backward()
     expected = torch.tanh(W @ x).sum()

@@ -546,10 +546,12 @@ class Graph(_core.Store):
                 t1 = time.perf_counter()
                 self.seconds["schedule"] += t1 - now
                 # A forward computes the same autograd graph whatever the grad mode of the code
-                # that asked for a value (a peek under no_grad): each node's own mode decides.
-                # Kernels are plain torch: the capture of torch calls (capture.py) is off
-                # (first, so that switching grad mode on is not itself dispatched to it).
-                with torch._C.DisableTorchFunction(), torch.enable_grad():
+                # that asked for a value (a peek under no_grad or inference_mode): each node's
+                # own mode decides. Kernels are plain torch: the capture of torch calls
+                # (capture.py) is off (first, so that switching grad mode on is not itself
+                # dispatched to it).
+                with torch._C.DisableTorchFunction(), torch.inference_mode(False), \
+                        torch.enable_grad():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
