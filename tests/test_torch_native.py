@@ -12,6 +12,7 @@ against eager torch, and the errors of what cannot be recorded.
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import nullcontext
 
@@ -1043,6 +1044,28 @@ def test_autograd_grad_of_an_expression_raises_a_clear_error():
         y = (w * 2.0).sum()
         with pytest.raises(TypeError, match="torch.autograd.grad of flybatch expressions"):
             torch.autograd.grad(y, w)
+
+
+OUT_OF_RANGE = {
+    "Tensor.gather": lambda h: h.gather(0, torch.tensor([7])),
+    "Tensor.index_select": lambda h: h.index_select(0, torch.tensor([3])),
+    "Tensor.__getitem__": lambda h: h[torch.tensor([0, 9])],
+    "torch.take": lambda h: torch.take(h, torch.tensor([-4])),
+    "Tensor.scatter": lambda h: h.scatter(0, torch.tensor([5]), torch.ones(1)),
+    "Tensor.index_add": lambda h: h.index_add(0, torch.tensor([3]), torch.ones(1)),
+}
+
+
+@pytest.mark.parametrize("call", OUT_OF_RANGE)
+def test_an_index_tensor_out_of_range_raises_at_the_call_naming_function_and_shapes(call):
+    w = nn.Parameter(torch.randn(3))
+    with pytest.raises((IndexError, RuntimeError)):
+        OUT_OF_RANGE[call](w * 2.0)  # eagerly
+    with fb.Graph():
+        with pytest.raises((IndexError, RuntimeError),
+                           match=rf"{re.escape(call)} on flybatch expressions of per-instance "
+                                 r"shapes \[\(3,\)"):
+            OUT_OF_RANGE[call](w * 2.0)
 
 
 @pytest.mark.parametrize("hook", ["register_hook", "retain_grad"])

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
@@ -458,6 +459,8 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     structure = _meta_outputs(func, call)
     if structure is _DataDependent:
         return _on_values(func, call)
+    if func in _INDEXING:
+        _check_index_values(func, call, args, kwargs)
     shared = call.shared()
     base = (_name(func), func, call.key, _signature(call, shared))
     single = not isinstance(structure[1], type)
@@ -468,6 +471,38 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
                      (func, call.args, call.kwargs, shared, index), dtype)
 
     return _wrap(call.graph, structure, make)
+
+
+# Functions whose indices, given as a plain tensor, must be in range for the shape: meta tensors
+# (which give a generic node its output shape) never see the values, so these are checked at the
+# call, as eagerly, instead of failing in the kernel at the next forward.
+_INDEXING = frozenset(f for name in ("gather", "index_select", "take", "take_along_dim", "scatter",
+                                     "scatter_add", "scatter_reduce", "index_add", "index_copy",
+                                     "index_fill", "index_put", "__getitem__")
+                      for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+                      if f is not None)
+
+
+def _check_index_values(func: Callable, call: _Call, args: tuple, kwargs: dict) -> None:
+    """Runs `func` once with zeros standing for the expressions (whose values cannot matter to
+    an index check) and the plain tensors as they are: torch's own range checks."""
+    if not any(isinstance(x, torch.Tensor) and not x.is_floating_point()
+               for x in pytree.tree_leaves((args, kwargs))):
+        return
+    g = call.graph
+
+    def stand_in(x):
+        if not isinstance(x, Expression):
+            return x
+        return torch.zeros(x.shape, dtype=g.dtype_of(x.id), device=g.device)
+
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        zeros = pytree.tree_map(stand_in, (args, kwargs))
+        try:
+            func(*zeros[0], **zeros[1])
+        except (IndexError, RuntimeError) as error:
+            raise type(error)(f"{_name(func)} on flybatch expressions of per-instance shapes "
+                              f"{[s for s, _ in call.shapes()]}: {error}") from error
 
 
 _warned: set = set()
