@@ -1068,6 +1068,17 @@ def test_an_index_tensor_out_of_range_raises_at_the_call_naming_function_and_sha
             OUT_OF_RANGE[call](w * 2.0)
 
 
+def test_a_product_of_operands_of_two_dtypes_raises_at_the_call_as_eagerly():
+    w = nn.Parameter(torch.randn(3))
+    counts = torch.ones(3, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.matmul(w * 2.0, counts)  # eagerly
+    with fb.Graph():
+        with pytest.raises(RuntimeError, match=r"torch\.matmul on flybatch expressions of "
+                                               r"per-instance shapes \[\(3,\), \(3, 2\)\].*dtype"):
+            torch.matmul(w * 2.0, counts)
+
+
 @pytest.mark.parametrize("hook", ["register_hook", "retain_grad"])
 def test_gradient_hooks_on_an_expression_raise_a_clear_error(hook):
     w = nn.Parameter(torch.randn(3))

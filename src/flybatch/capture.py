@@ -459,8 +459,8 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     structure = _meta_outputs(func, call)
     if structure is _DataDependent:
         return _on_values(func, call)
-    if func in _INDEXING:
-        _check_index_values(func, call, args, kwargs)
+    if func in _INDEXING or (func in _SAME_DTYPES and len({d for _, d in call.shapes()}) > 1):
+        _check_on_zeros(func, call, args, kwargs)
     shared = call.shared()
     base = (_name(func), func, call.key, _signature(call, shared))
     single = not isinstance(structure[1], type)
@@ -473,22 +473,27 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     return _wrap(call.graph, structure, make)
 
 
-# Functions whose indices, given as a plain tensor, must be in range for the shape: meta tensors
-# (which give a generic node its output shape) never see the values, so these are checked at the
-# call, as eagerly, instead of failing in the kernel at the next forward.
+# What meta tensors (which give a generic node its output shape) do not check, and the kernel
+# would only report at the next forward: checked at the call, as eagerly, by `_check_on_zeros`.
+# Functions whose indices, given as a plain tensor, must be in range for the shape; products
+# whose operands must be of one dtype.
 _INDEXING = frozenset(f for name in ("gather", "index_select", "take", "take_along_dim", "scatter",
                                      "scatter_add", "scatter_reduce", "index_add", "index_copy",
                                      "index_fill", "index_put", "__getitem__")
                       for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
                       if f is not None)
+_SAME_DTYPES = frozenset(f for name in ("matmul", "mm", "bmm", "mv", "dot", "inner", "addmm",
+                                        "baddbmm", "einsum", "tensordot", "chain_matmul")
+                         for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+                         if f is not None)
 
 
-def _check_index_values(func: Callable, call: _Call, args: tuple, kwargs: dict) -> None:
-    """Runs `func` once with zeros standing for the expressions (whose values cannot matter to
-    an index check) and the plain tensors as they are: torch's own range checks."""
-    if not any(isinstance(x, torch.Tensor) and not x.is_floating_point()
-               for x in pytree.tree_leaves((args, kwargs))):
-        return
+def _check_on_zeros(func: Callable, call: _Call, args: tuple, kwargs: dict) -> None:
+    """Runs `func` once with zeros standing for the expressions (their values cannot matter to
+    these checks) and the plain tensors as they are: torch's own checks, at the call."""
+    if func in _INDEXING and not any(isinstance(x, torch.Tensor) and not x.is_floating_point()
+                                     for x in pytree.tree_leaves((args, kwargs))):
+        return  # an index computed per instance: only the kernel can see it
     g = call.graph
 
     def stand_in(x):
