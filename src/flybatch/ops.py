@@ -616,11 +616,15 @@ def dropout(x: Operand, p: float, training: bool = True,
 
 def dropout_noise(shape: Shape, p: float, dtype: torch.dtype,
                   device: torch.device | str | None) -> torch.Tensor:
-    """The scaled mask eager `F.dropout` draws for a tensor of `shape`: the same call
-    (`torch.dropout` of ones: bernoulli(1 - p) / (1 - p) on the CPU, the fused kernel on
-    CUDA), so it takes the same numbers from the same generator."""
-    with torch._C.DisableTorchFunction(), torch.no_grad():
-        return torch.dropout(torch.ones(shape, dtype=dtype, device=device or "cpu"), p, True)
+    """The scaled mask eager `F.dropout` draws for a tensor of `shape`, by the same calls, so
+    that it takes the same numbers from the same generator: on the CPU, aten's dropout draws
+    `empty_like(x).bernoulli_(1 - p).div_(1 - p)`; elsewhere its fused kernel, here run on
+    ones."""
+    device = torch.device(device or "cpu")
+    with torch._C.DisableTorchFunction():
+        if device.type == "cpu":
+            return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+        return torch.dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
 
 
 # ---- operators on expressions -------------------------------------------------------------------
