@@ -23,6 +23,12 @@ def seeded(module: nn.Module, seed: int = 0) -> nn.Module:
     return module.double()
 
 
+def draw(seed: int, *shapes) -> list[torch.Tensor]:
+    """Float64 inputs of these shapes from a generator of their own (the global one untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in shapes]
+
+
 class CountOps(TorchDispatchMode):
     """Counts the ops eager torch dispatches (each one a kernel launch)."""
 

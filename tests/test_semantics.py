@@ -7,7 +7,8 @@
   `torch.no_grad()` carries no gradient; a forward forced under `no_grad` (a value peek)
   computes the same autograd graph as any other.
 - Randomness: every random node draws its own sample (two dropouts of one expression have
-  independent masks, whatever the batching).
+  independent masks, whatever the batching), and draws it when it is written: a seeded program
+  draws the masks eager PyTorch draws, under every strategy.
 """
 
 from __future__ import annotations
@@ -134,6 +135,40 @@ def test_dropouts_of_one_shared_parameter_draw_independent_masks(strategy):
         ds = [fb.dropout(W, 0.5) for _ in range(3)]
         masks = [v != 0 for v in g.forward(ds)]
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_seeded_program_draws_the_dropout_masks_eager_draws(strategy):
+    """Masks are drawn in program order, as eagerly, even with other draws between them and
+    dropouts at several depths (a kernel drawing per batch would draw in batch order)."""
+    torch.manual_seed(0)
+    W = _param(6, 6)
+    xs = [torch.randn(6, dtype=F64) for _ in range(4)]
+
+    def instance(B, x):
+        h = B.dropout(B.tanh(B.matmul(W, x)), 0.5)
+        noise = torch.rand(6, dtype=F64)  # another draw of the same generator, in between
+        return B.sum_elems(B.cmult(B.dropout(B.tanh(B.matmul(W, h)), 0.3), noise))
+
+    torch.manual_seed(7)
+    eager = torch.stack([instance(_Eager, x) for x in xs])
+    eager.sum().backward()
+    eager_grad, W.grad = W.grad, None
+    torch.manual_seed(7)
+    with fb.Graph(strategy, dtype=F64) as g:
+        losses = [instance(fb, x) for x in xs]
+        batched = torch.stack(g.forward(losses))
+        fb.esum(losses).backward()
+    torch.testing.assert_close(batched, eager.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(W.grad, eager_grad, rtol=0, atol=1e-12)
+
+
+class _Eager:
+    """The ops of `instance` above, eagerly."""
+    dropout = staticmethod(lambda x, p: torch.nn.functional.dropout(x, p))
+    tanh, matmul, cmult = staticmethod(torch.tanh), staticmethod(torch.matmul), \
+        staticmethod(torch.mul)
+    sum_elems = staticmethod(torch.sum)
 
 
 def test_dropout_scales_kept_elements_and_passes_gradients_through_the_mask():

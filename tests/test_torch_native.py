@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 import flybatch as fb
 from flybatch.graph import INDEX_INPUT
-from native import (ATOL, assert_same_training, check, run_batched, run_eager,
+from native import (ATOL, assert_same_training, check, draw, run_batched, run_eager,
                     seeded)
 
 F64 = torch.float64
@@ -684,6 +684,78 @@ def test_an_expression_describes_its_storage_as_a_dense_tensor_would():
         assert x.is_cpu and not x.is_cuda
 
 
+class NoisyModel(nn.Module):
+    """Randomness of every kind a per-instance model uses: dropout layers at two depths, a
+    functional dropout, samples drawn from computed values, and plain draws in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(5, 5), nn.Linear(5, 3), nn.Dropout(0.4)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.a(x)))
+        h = h * torch.bernoulli(torch.sigmoid(h)) + torch.normal(h, 0.1)
+        h = F.rrelu(h, training=True) + 0.1 * torch.randn(5)
+        h = F.dropout(torch.tanh(self.a(h)), 0.2) + F.alpha_dropout(h, 0.3, True)
+        d = torch.distributions.Categorical(logits=self.b(self.drop(h)))
+        return -d.log_prob(d.sample())
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["loop", "map_batched"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_seeded_model_draws_what_eager_draws(strategy, mapped):
+    """Dropout masks are drawn when a call is recorded, functions that draw from values run on
+    the values at the call: both in program order, as eagerly, whatever the batching. Under
+    map_batched the instances' draws interleave by rounds, so only the loop equals eager's
+    stream; map_batched equals itself under every strategy."""
+    model = seeded(NoisyModel())
+    items = draw(3, *[(5,)] * 4)
+    torch.manual_seed(11)
+    expected = run_eager(model, model, items) if not mapped else None
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "runs on the values (a forward per call)"
+        batched = run_batched(model, model, items, strategy, mapped=mapped)
+        if mapped:
+            torch.manual_seed(11)
+            expected = run_batched(model, model, items, "none", mapped=True)
+    assert_same_training(expected, batched)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lstm_dropout_between_layers_draws_what_eager_draws(strategy):
+    model = seeded(nn.LSTM(3, 4, num_layers=3, dropout=0.5, bidirectional=True))
+
+    def loss_of(x):
+        out, (h, c) = model(x)
+        return out.sum() + h.sum() + c.sum()
+
+    items = draw(5, (4, 3), (2, 3), (5, 3))
+    torch.manual_seed(3)
+    expected = run_eager(model, loss_of, items)
+    torch.manual_seed(3)
+    assert_same_training(expected, run_batched(model, loss_of, items, strategy))
+
+
+def test_a_call_on_values_under_map_batched_leaves_the_other_instances_captured():
+    """`torch.nonzero(y > 0)` needs values: its instance waits for a round inside the capture
+    mode's handler, where torch has taken the mode off its (per-thread) stack. The instances
+    that run meanwhile are still recorded, and the waiting one resumes captured."""
+    linear = seeded(nn.Linear(4, 3))
+
+    def instance(x):
+        y = linear(x)
+        kept = torch.nonzero(y > 0).shape[0]
+        return (torch.tanh(y) * kept).sum()
+
+    items = draw(2, *[(1, 4)] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "runs on the values (a forward per call)"
+        batched = run_batched(linear, instance, items, "agenda", mapped=True)
+    assert_same_training(run_eager(linear, instance, items), batched)
+    assert max(batched.stats.by_signature.values()) == 1  # each op: one launch for all three
+
+
 def test_dropout_in_eval_mode_is_the_identity():
     drop = nn.Dropout(0.5)
     drop.eval()
@@ -696,7 +768,7 @@ def test_dropout_in_eval_mode_is_the_identity():
         kept = z.value() != 0
         assert not kept.all()
         torch.testing.assert_close(z.value()[kept], 2 * x0[kept])
-        assert g.stats().nodes == 4  # input, scalar 1.0, the product, train-mode dropout
+        assert g.stats().nodes == 5  # input, scalar 1.0, the product, train-mode dropout and its mask
 
 
 def test_a_float64_model_needs_no_graph_dtype():

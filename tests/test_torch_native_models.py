@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flybatch as fb
-from native import assert_same_training, check, run_batched, run_eager, seeded
+from native import assert_same_training, check, draw, run_batched, run_eager, seeded
 
 H = 5
 pytestmark = pytest.mark.usefixtures("one_thread", "float64_default")
@@ -34,11 +34,6 @@ def float64_default():
 
 
 F64 = torch.float64  # the zoo's data is made at import, before the float64 default
-
-
-def draw(seed: int, *shapes) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=gen, dtype=F64) for shape in shapes]
 
 
 def sequences(seed: int = 11, lengths=(3, 1, 4, 2)) -> list[torch.Tensor]:

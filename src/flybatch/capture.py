@@ -18,9 +18,11 @@ How a call is batched, fastest first:
 3. any other function: a *generic* node, its output shape found by running it once on meta
    tensors (cached per signature), its batched kernel `torch.vmap` over the batch (a loop over
    the batch's nodes where vmap has no rule).
-A function whose output shape depends on values (`nonzero`, a boolean mask) or that returns a
-Python value (`tolist`, `equal`) runs on the values, which asks for a forward (a round of
-`map_batched`); its result keeps its autograd history, so gradients stay right.
+A function whose output shape depends on values (`nonzero`, a boolean mask), that returns a
+Python value (`tolist`, `equal`) or that draws random numbers (`bernoulli`, `normal`, found by
+the meta run: aten's `nondeterministic_seeded` operators) runs on the values, which asks for a
+forward (a round of `map_batched`); its result keeps its autograd history, so gradients stay
+right, and draws take the random stream in program order, as eagerly.
 
 The signature of a recorded call is (function, the constants of the call, each operand's shape
 and dtype, and the node of each shared parameter), so calls batch exactly when one kernel can
@@ -46,6 +48,7 @@ from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
@@ -339,16 +342,42 @@ class _DataDependent(Exception):
     """The function's output shape (or type) depends on values: run it on the values."""
 
 
+class _Seeded:
+    """The function draws random numbers (`torch.bernoulli`, `torch.normal`, `F.rrelu`, a
+    distribution's `sample()`...): it runs on the values, at the call, so that it takes the
+    random stream in program order as eagerly. Batched, the draws would follow the batches'
+    order and change with the strategy. (`F.dropout`, whose mask needs no values, is an op
+    that draws its mask when it is written: `ops.dropout`.)"""
+
+
+class _SeenSeededOps(TorchDispatchMode):
+    """Notes whether any operator run under it draws from a random generator (aten's
+    `nondeterministic_seeded` tag): on meta tensors, nothing is drawn."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeded = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seeded = True
+        return func(*args, **(kwargs or {}))
+
+
 def _meta_outputs(func: Callable, call: _Call) -> Any:
-    """The structure of `func`'s output for these operands: a (shape, dtype) per tensor."""
+    """The structure of `func`'s output for these operands: a (shape, dtype) per tensor, or
+    `_DataDependent`, or `_Seeded`."""
     key = (func, call.key, call.shapes())
     out = _META.get(key)
     if out is None:
         metas = [torch.empty(s, dtype=d, device="meta") for s, d in call.shapes()]
+        seeded = _SeenSeededOps()
         try:
-            with torch._C.DisableTorchFunction(), warnings.catch_warnings():
+            with torch._C.DisableTorchFunction(), warnings.catch_warnings(), seeded:
                 warnings.simplefilter("ignore")
                 result = func(*_fill(call.args, metas), **_fill(call.kwargs, metas))
+            if seeded.seeded:
+                result = _Seeded
         except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as error:
             text = str(error)
             if "data-dependent" in text or "meta" in text.lower() or "item()" in text \
@@ -363,8 +392,8 @@ def _meta_outputs(func: Callable, call: _Call) -> Any:
 
 
 def _structure(result: Any) -> Any:
-    if result is _DataDependent:
-        return _DataDependent
+    if result is _DataDependent or result is _Seeded:
+        return result
     if isinstance(result, torch.Tensor):
         return (tuple(result.shape), result.dtype)
     # (a None among tensors: an output not asked for, as MultiheadAttention's weights with
@@ -457,8 +486,8 @@ GENERIC = Op("torch", _generic_kernel)
 def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     call = _Call(args, kwargs)
     structure = _meta_outputs(func, call)
-    if structure is _DataDependent:
-        return _on_values(func, call)
+    if structure is _DataDependent or structure is _Seeded:
+        return _on_values(func, call, random=structure is _Seeded)
     if func in _INDEXING or (func in _SAME_DTYPES and len({d for _, d in call.shapes()}) > 1):
         _check_on_zeros(func, call, args, kwargs)
     shared = call.shared()
@@ -513,14 +542,17 @@ def _check_on_zeros(func: Callable, call: _Call, args: tuple, kwargs: dict) -> N
 _warned: set = set()
 
 
-def _on_values(func: Callable, call: _Call) -> Any:
+def _on_values(func: Callable, call: _Call, random: bool = False) -> Any:
     """Run `func` on the operands' values (a forward, or a round of map_batched): for output
-    shapes that depend on values and Python results. The result keeps its autograd history."""
+    shapes that depend on values, Python results and random draws. The result keeps its
+    autograd history."""
     # (a value read such as `.tolist()` of a tensor the graph wrote into asks for values)
     if func not in _warned and getattr(func, "__name__", "") not in _READS_VALUE:
         _warned.add(func)
-        warnings.warn(f"{_name(func)} on flybatch expressions depends on their values: it runs "
-                      "on the values (a forward per call, not batched)", stacklevel=4)
+        why = "draws random numbers, in program order as eagerly" if random else \
+            "depends on their values"
+        warnings.warn(f"{_name(func)} on flybatch expressions {why}: it runs on the values (a "
+                      "forward per call, not batched)", stacklevel=4)
     g = call.graph
     values = [g.value_of(n) for n in call.nodes]
     with torch._C.DisableTorchFunction():
@@ -700,6 +732,8 @@ def _meta_of(func: Callable, call: _Call):
     structure = _meta_outputs(func, call)
     if structure is _DataDependent:
         raise ShapeError(f"{_name(func)}: output shape depends on values")
+    if structure is _Seeded:  # (the functions mapped onto batched kernels draw nothing)
+        raise TypeError(f"{_name(func)} draws random numbers: it cannot run as one batched call")
     return structure
 
 
@@ -1331,7 +1365,8 @@ def _lookup_rows(g: Graph, table: torch.Tensor, row: int, index_shape: tuple,
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
-    if not isinstance(input, Expression) or not _is_float(input.graph, input):
+    if not isinstance(input, Expression) or not _is_float(input.graph, input) or \
+            not 0 <= p < 1:  # (p = 1 zeroes without a draw, any other p raises: as a torch call)
         return NotImplemented
     return ops.dropout(input, p, training)
 
@@ -1676,8 +1711,11 @@ def _rnn(gates: int):
                 break
             xs = [_hidden_of(outs, lstm) for outs in outs_by_direction]
             xs = xs[0] if directions == 1 else [torch.cat(pair, -1) for pair in zip(*xs)]
-            if dropout and train:
-                xs = [F.dropout(x, dropout, True) for x in xs]
+            if dropout and train:  # one mask for the layer's whole output, as eagerly
+                g = xs[0].graph
+                noise = ops.dropout_noise((len(xs),) + tuple(xs[0].shape), dropout,
+                                          g.dtype_of(xs[0].id), g.device)
+                xs = [ops.dropout(x, dropout, True, noise[t]) for t, x in enumerate(xs)]
         # The top layer's output: one stack per direction, h sliced once for all steps.
         outputs = [torch.stack(states, 0) for states in outs_by_direction]
         if lstm:

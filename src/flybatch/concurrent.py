@@ -27,9 +27,11 @@ Semantics:
   before calling `map_batched`, or use `with fb.Graph():` inside `fn` for a graph of its own.
 - Torch's grad mode (`torch.no_grad()`, `torch.set_grad_enabled`) is per instance too: each
   starts in the caller's mode, its mode is saved and restored around each suspension, and the
-  caller's mode is the same after the call. Other thread-local torch state (inference mode,
-  autocast) is not switched: use it around the `map_batched` call, not across a value request
-  inside `fn`.
+  caller's mode is the same after the call. So is torch's torch-function state (its stack of
+  modes, which holds the capture mode; torch takes the mode off for the length of a captured
+  call, and a call that runs on values may wait for a round in the middle). Other
+  thread-local torch state (inference mode, autocast) is not switched: use it around the
+  `map_batched` call, not across a value request inside `fn`.
 - Runs in different threads are independent (each thread has its own greenlets and current
   graph); one graph must not be used by two threads at once.
 - Nested use works: an `fn` that calls `map_batched` on the same graph becomes the driver of its
@@ -92,6 +94,7 @@ class _Instance(greenlet.greenlet):
         self.index = index
         self.gr_context = run.context.copy()  # its own: the greenlet runs in it from start to end
         self.grad_enabled = run.grad_enabled  # torch keeps grad mode per thread, not per context
+        self.torch_function_state = None  # (the driver's until it first suspends)
 
 
 class _Run:
@@ -111,16 +114,41 @@ class _Run:
         self.driver.switch(_SUSPENDED)
 
     def enter(self, instance: _Instance, method: Callable[..., Any], *args: Any) -> Any:
-        """Switch into `instance` (`method`: its switch or throw) in its own grad mode; back in
-        the driver, the caller's mode again (set only on a change: setting costs more)."""
+        """Switch into `instance` (`method`: its switch or throw) in its own grad mode and
+        torch-function state; back in the driver, the driver's again (set only on a change)."""
         if instance.grad_enabled != self.grad_enabled:
             torch.set_grad_enabled(instance.grad_enabled)
+        driver_state = _torch_function_state()
+        if instance.torch_function_state not in (None, driver_state):
+            _set_torch_function_state(instance.torch_function_state)
         try:
             return method(*args)
         finally:
             instance.grad_enabled = torch.is_grad_enabled()
             if instance.grad_enabled != self.grad_enabled:
                 torch.set_grad_enabled(self.grad_enabled)
+            instance.torch_function_state = _torch_function_state()
+            if instance.torch_function_state != driver_state:
+                _set_torch_function_state(driver_state)
+
+
+# Torch keeps its torch-function modes and switch per thread too. A value request can suspend an
+# instance inside a torch call that the capture mode handles (`torch.nonzero(x)`, a sample of a
+# distribution), where torch has taken the mode off its stack for the call: the instances that
+# run meanwhile must still be captured, and the suspended one resumes as it left.
+def _torch_function_state() -> tuple:
+    stack = tuple(torch._C._get_function_stack_at(i)
+                  for i in range(torch._C._len_torch_function_stack()))
+    return torch._C._get_torch_function_state(), stack
+
+
+def _set_torch_function_state(state: tuple) -> None:
+    switch, stack = state
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for mode in stack:
+        torch._C._push_on_torch_function_stack(mode)
+    torch._C._set_torch_function_state(switch)
 
 
 class _Hook:

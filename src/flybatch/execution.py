@@ -86,8 +86,6 @@ def run(graph: "Graph", plan: Schedule) -> None:
                 attr = attr_of(first)
                 if op.per_node_attrs:  # and each node's int (index, row), read in one call
                     attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
-            if op.random:  # one sample per node, never one broadcast row for all
-                xs = [x.expand(size, *x.shape[1:]) for x in xs]
             args = (xs, attr, shape_of(first))
             if op.padded:  # and each node's length, when they differ
                 args += (None if lengths is None else indices.numpy[lengths:lengths + size],)

@@ -66,9 +66,6 @@ class Op:
     # of the batch result the inputs live in, instead of first copying every node's whole input
     # (a pick of step t of a sequence's (n, H) result would copy the (n, H) per step).
     picks_from_input: bool = False
-    # Draws random numbers: each node needs its own sample, so the executor never lets a batch
-    # of it run on one broadcast row (every node reading the same input).
-    random: bool = False
     # The rule family of csrc/rules.cpp (shape rule and signature) when `_core.Rule(op)` creates
     # its nodes; None for ops added by `Graph.add` (leaves, reshape, dropout...).
     rule: str | None = None

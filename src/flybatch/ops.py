@@ -582,23 +582,49 @@ def transpose(x: Operand) -> Expression:
     return g.add(TRANSPOSE, (n,), (shape[1], shape[0]), ("transpose", shape))
 
 
-DROPOUT = Op("dropout", lambda xs, p, shape: F.dropout(xs[0], p, training=True), random=True)
+# Dropout draws its mask when the node is written, with the very call eager PyTorch makes
+# (`torch.dropout` of a tensor of the instance's shape, dtype and device): the same seed gives
+# the same masks as eagerly, in program order, whatever the strategy and however the nodes
+# batch (a mask drawn by the kernel for a whole batch would take the random stream in batch
+# order). The node multiplies by the scaled mask, `x * noise`, as eager's dropout does.
+DROPOUT = Op("dropout", lambda xs, attr, shape: xs[0] * xs[1])
 
 
 @_core.own_time
-def dropout(x: Operand, p: float, training: bool = True) -> Expression:
+def dropout(x: Operand, p: float, training: bool = True,
+            noise: torch.Tensor | None = None) -> Expression:
     """Zero each element with probability `p` and scale the rest by 1/(1-p), as `F.dropout`.
 
-    Every dropout node draws its own mask. With `training=False` it is the identity (returns
-    `x` itself, as `F.dropout` returns its input).
+    Every dropout node draws its own mask, when it is written (so a seeded program draws the
+    masks eager PyTorch draws), unless given its `noise` (the scaled mask, drawn by
+    `dropout_noise` for more than this node: `nn.LSTM` draws one for a layer's whole output).
+    With `training=False` or `p=0` it is the identity (returns `x` itself, as `F.dropout`
+    returns its input).
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: p must be in [0, 1), got {p}")
     g, n = unary_operand(x)
-    if not training:
-        return x if isinstance(x, Expression) else Expression(g, n)
     shape = g.shape_of(n)
-    return g.add(DROPOUT, (n,), shape, ("dropout", shape, p), p)
+    if not training or p == 0.0 or math.prod(shape) == 0:  # eager returns its input: no draw
+        return x if isinstance(x, Expression) else Expression(g, n)
+    if noise is None:
+        noise = dropout_noise(shape, p, g.dtype_of(n), g.device)
+    elif tuple(noise.shape) != shape:
+        raise ShapeError(f"dropout: a mask of shape {tuple(noise.shape)} for shape {shape}")
+    return g.add(DROPOUT, (n, g.input_node(noise, owned=True)), shape, ("dropout", shape))
+
+
+def dropout_noise(shape: Shape, p: float, dtype: torch.dtype,
+                  device: torch.device | str | None) -> torch.Tensor:
+    """The scaled mask eager `F.dropout` draws for a tensor of `shape`, by the same calls, so
+    that it takes the same numbers from the same generator: on the CPU, aten's dropout draws
+    `empty_like(x).bernoulli_(1 - p).div_(1 - p)`; elsewhere its fused kernel, here run on
+    ones."""
+    device = torch.device(device or "cpu")
+    with torch._C.DisableTorchFunction():
+        if device.type == "cpu":
+            return torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+        return torch.dropout(torch.ones(shape, dtype=dtype, device=device), p, True)
 
 
 # ---- operators on expressions -------------------------------------------------------------------
