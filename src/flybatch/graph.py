@@ -296,6 +296,8 @@ class Graph(_core.Store):
         # instance can wait until every other instance has asked too.
         self.before_value_request: Callable[[], None] | None = None
         self.parameter_nodes: list[int] = []  # re-read by every forward (see execution.run)
+        # (len(tags), the storages of the tensors among them) when `reads_later` last looked
+        self._read_storages: tuple[int, set[int]] | None = None
         # With `debug=True`, node -> "file:line: code" of the user's line that wrote it, so a
         # kernel failure can point there.
         self.origins: dict[int, str] | None = None
@@ -351,22 +353,25 @@ class Graph(_core.Store):
             self.set_parameter_tag(node, signatures.tag(self, tensor))
         return node
 
-    def reads_later(self, tensors: Sequence[Any]) -> bool:
-        """Whether one of `tensors` shares its storage with a tensor that this graph reads when
+    def reads_later(self, storages: set[int]) -> bool:
+        """Whether one of `storages` (data pointers) is that of a tensor this graph reads when
         its forward runs: a parameter, a constant part of one (`U_f[0]`) or an embedding table
         (inputs are copied at the call instead)."""
-        with _no_capture():
-            storages = {t.untyped_storage().data_ptr() for t in tensors
-                        if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-            storages.discard(0)  # no storage of its own (empty)
-            if not storages:
-                return False
-            for obj, *_ in self.tags.values():
-                if isinstance(obj, ParameterView):
-                    obj = obj.parameter
-                if isinstance(obj, torch.Tensor) and obj.untyped_storage().data_ptr() in storages:
-                    return True
-        return False
+        # Those of the graph's tensors, kept while no tensor is added or rebound (`forget`)
+        if self._read_storages is None or self._read_storages[0] != len(self.tags):
+            with _no_capture():
+                held = (obj.parameter if isinstance(obj, ParameterView) else obj
+                        for obj, *_ in self.tags.values())
+                self._read_storages = (len(self.tags), {
+                    t.untyped_storage().data_ptr() for t in held
+                    if isinstance(t, torch.Tensor) and not t.is_meta})
+        return not storages.isdisjoint(self._read_storages[1])
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """A tensor's requires_grad, data or size was rebound: what the graph remembers of it
+        is read again (the store's rules, the storages of `reads_later`)."""
+        self._read_storages = None
+        super().forget(tensor)
 
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
