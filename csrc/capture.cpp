@@ -416,6 +416,7 @@ PyObject* g_rebinds = nullptr;          // capture._REBINDS
 PyObject* g_recorded_properties = nullptr;  // capture._RECORDED_PROPERTIES
 PyObject* g_rebound_attributes = nullptr;   // capture._REBOUND_ATTRIBUTES
 PyObject* g_forget = nullptr;           // capture._forget
+PyObject* g_before_write = nullptr;     // capture._before_write
 PyObject* g_current = nullptr;          // graph._current (a ContextVar)
 PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
 PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
@@ -423,7 +424,6 @@ PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
 PyObject* g_unhandled = nullptr;        // capture._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
-PyObject* s_is_floating_point = nullptr;  // "is_floating_point"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
 PyObject* s_name = nullptr;             // "__name__"
@@ -547,7 +547,20 @@ PyObject* owner_name(PyObject* func) {
   return attr_or(owner.get(), s_name, empty.get());
 }
 
-bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs) {
+// Whether a graph block is open (an in-place write there may need capture._before_write).
+bool in_open_graph() {
+  PyObject* graph = nullptr;
+  if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
+  Owned held{graph};
+  if (graph == Py_None) return false;
+  return PyObject_TypeCheck(graph, &StoreType) ? !reinterpret_cast<Store*>(graph)->closed
+                                               : !truth(Owned{PyObject_GetAttr(graph, s_closed)}.get());
+}
+
+// `writes` is set when the call writes in place into its first argument (`add_`,
+// `__setitem__`, `nn.init.zeros_`), which a graph's pending nodes may read (see before_write).
+bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* kwargs,
+                    bool* writes) {
   {
     Owned seq{PySequence_Fast(types, "types must be a sequence")};
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
@@ -598,6 +611,7 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
     const bool dunder = PyUnicode_Tailmatch(name.get(), s_dunder, 0, n, -1) == 1;
     const bool underscore = n > 0 && PyUnicode_READ_CHAR(name.get(), n - 1) == '_';
     scan.inplace = (underscore && !dunder) || name_is(name.get(), "__setitem__");
+    *writes = scan.inplace;
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i)
     if (scan.any(PyTuple_GET_ITEM(args, i))) return true;
@@ -633,7 +647,7 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   Owned id{PyLong_FromLongLong(e->id)};
   PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
   if (!dtype && PyErr_Occurred()) throw PythonError{};
-  if (dtype && !truth(Owned{PyObject_GetAttr(dtype, s_is_floating_point)}.get())) return nullptr;
+  if (dtype) return nullptr;  // not of the graph's floating dtype, which the fb op computes in
   return checked(PyObject_CallOneArg(op, x));
 }
 
@@ -718,9 +732,19 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
       // (the user's own eager torch work) is not. Torch's dispatch to the mode, before this
       // function, is not seen.
       OwnTimeScope own;
-      if (involves_graph(func, given[1], args.get(), kwargs)) {
+      bool writes = false;
+      if (involves_graph(func, given[1], args.get(), kwargs, &writes)) {
         Owned given{kwargs ? Py_NewRef(kwargs) : PyDict_New()};
         return record(func, args.get(), given.get());
+      }
+      if (writes && in_open_graph()) {
+        // The tensor written: the first argument, by position or (nn.init.normal_) by name.
+        PyObject* target = Py_None;
+        Py_ssize_t at = 0;
+        PyObject* key = nullptr;
+        if (PyTuple_GET_SIZE(args.get())) target = PyTuple_GET_ITEM(args.get(), 0);
+        else if (kwargs) PyDict_Next(kwargs, &at, &key, &target);
+        Owned done{checked(PyObject_CallOneArg(g_before_write, target))};
       }
     }
     return PyObject_Call(func, args.get(), kwargs);
@@ -734,21 +758,22 @@ PyMethodDef kTorchFunction = {
 
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
-    "rebound_attributes, forget, current, thread, handlers, refuse_inplace, unhandled, "
-    "fb_unary)\n\n"
+    "rebound_attributes, forget, before_write, current, thread, handlers, refuse_inplace, "
+    "unhandled, fb_unary)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
     "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
-    "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, graph._current, capture._thread, "
+    "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, _before_write, graph._current, "
+    "capture._thread, "
     "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
-      *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OO!OO!OOO!:configure_front", &PyType_Type, &mode_class,
-                        &PyFrozenSet_Type, &describe, &PyFrozenSet_Type, &reads_value,
-                        &PyFrozenSet_Type, &rebinds,
-                        &PyFrozenSet_Type, &recorded, &PyFrozenSet_Type, &rebound, &forget,
+      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!:configure_front", &PyType_Type,
+                        &mode_class, &PyFrozenSet_Type, &describe, &PyFrozenSet_Type,
+                        &reads_value, &PyFrozenSet_Type, &rebinds, &PyFrozenSet_Type, &recorded,
+                        &PyFrozenSet_Type, &rebound, &forget, &before_write,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
                         &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops))
     return nullptr;
@@ -759,6 +784,7 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_recorded_properties, Py_NewRef(recorded));
   Py_XSETREF(g_rebound_attributes, Py_NewRef(rebound));
   Py_XSETREF(g_forget, Py_NewRef(forget));
+  Py_XSETREF(g_before_write, Py_NewRef(before_write));
   Py_XSETREF(g_current, Py_NewRef(current));
   Py_XSETREF(g_thread, Py_NewRef(thread));
   Py_XSETREF(g_handlers, Py_NewRef(handlers));
@@ -818,13 +844,12 @@ bool register_capture(PyObject* module) {
   s_dunder = PyUnicode_InternFromString("__");
   s_is_cpu = PyUnicode_InternFromString("is_cpu");
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
-  s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_node_dtypes_attr && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  return s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

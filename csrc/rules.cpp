@@ -65,6 +65,7 @@ namespace {
 
 PyObject* s_operand = nullptr;  // "_operand"
 PyObject* s_lookup_tag = nullptr;
+PyObject* s_node_dtypes = nullptr;  // "node_dtypes"
 // Attribute names read per op call, interned once (a name built per read costs more than the
 // read's dict lookup).
 PyObject* s_requires_grad = nullptr;
@@ -510,9 +511,7 @@ PyObject* apply(Rule* rule, Store* g, const i64* args, std::size_t n, PyObject* 
       Py_DECREF(bounds);
       if (failed < 0) throw PythonError{};
       PySlice_AdjustIndices(a[0], &begin, &end, step);
-      if (end <= begin)
-        raise(PyExc_IndexError, "slice: [%S:%S] is empty for shape %R", extra[0], extra[1],
-              shape_tuple(g, args[0]));
+      if (end < begin) end = begin;  // empty, as in torch (`h[k:]` with k == len(h))
       out_dims.assign(a.d, a.d + a.n);
       out_dims[0] = end - begin;
       attr = owned_attr = Py_BuildValue("(nn)", begin, end);
@@ -821,9 +820,36 @@ PyTypeObject RuleType = [] {
 }();
 
 // ---- the Expression operators ------------------------------------------------------------------
+// Whether `x` is an expression whose value is not of its graph's floating dtype (an index, a
+// mask, a float32 cast in a float64 graph): Graph.node_dtypes holds only such nodes.
+bool of_other_dtype(PyObject* x) {
+  if (!is_expression(x)) return false;
+  Expression* e = as_expression(x);
+  PyObject* dtypes = PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes);
+  if (!dtypes) throw PythonError{};
+  Release dtypes_ref{dtypes};
+  if (!PyDict_Check(dtypes) || !PyDict_GET_SIZE(dtypes)) return false;
+  PyObject* id = PyLong_FromLongLong(e->id);
+  if (!id) throw PythonError{};
+  Release id_ref{id};
+  const int found = PyDict_Contains(dtypes, id);
+  if (found < 0) throw PythonError{};
+  return found;
+}
+
 PyObject* operator_rule(Operator which, PyObject* a, PyObject* b) {
   PyObject* rule = g_rules[which];
   if (!rule) Py_RETURN_NOTIMPLEMENTED;
+  // The fb ops compute in the graph's dtype; an operand of another dtype follows torch's type
+  // promotion instead (`mask.long() + 1` is an integer, `h.float() * 3` a float32): recorded
+  // as the Tensor operator it is, by the capture layer (`ops._tensor_operator`).
+  try {
+    if (of_other_dtype(a) || (b && of_other_dtype(b)))
+      return PyObject_CallMethod(g_ops_module, "_tensor_operator", "iOO", static_cast<int>(which),
+                                 a, b ? b : Py_None);
+  } catch (const PythonError&) {
+    return nullptr;
+  }
   PyObject* operands[2] = {a, b};
   return call_rule(reinterpret_cast<Rule*>(rule), operands, 2, nullptr);
 }
@@ -997,9 +1023,10 @@ PyMappingMethods expression_mapping = [] {
 bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
+  s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_shape = PyUnicode_InternFromString("shape");
-  return s_operand && s_lookup_tag && s_requires_grad && s_shape && PyType_Ready(&RuleType) == 0 &&
+  return s_operand && s_lookup_tag && s_node_dtypes && s_requires_grad && s_shape && PyType_Ready(&RuleType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }

@@ -221,6 +221,25 @@ def test_zero_sizes_are_shapes():
         assert fb.reshape(fb.ones((2, 0)), (0, 5)).value().shape == (0, 5)
 
 
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+def test_an_empty_slice_is_an_empty_expression_as_in_torch(strategy):
+    W = torch.nn.Parameter(torch.randn(3, 3, dtype=F64))
+    xs = torch.randn(4, 3, dtype=F64)
+
+    def loss(k, x):  # h[k:] is empty for k == 3, h[:k] for k == 0, h[2:1] always
+        h = torch.tanh(W @ x)
+        return h[k:].sum() + 2 * h[:k].sum() + h[2:1].sum() + torch.cat([h[:k], h[k:]]).sum()
+
+    expected = sum(loss(k, x) for k, x in enumerate(xs))
+    (grad,) = torch.autograd.grad(expected, W)
+    with fb.Graph(strategy):
+        assert (W @ xs[0])[3:].shape == (0,)
+        got = sum(loss(k, x) for k, x in enumerate(xs))
+        got.backward()
+        torch.testing.assert_close(got.value(), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(W.grad, grad, rtol=0, atol=1e-12)
+
+
 # ---- graph dtype -------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", torch.int64, torch.bool, torch.complex64, np.float32],
                          ids=["str", "int64", "bool", "complex64", "numpy"])

@@ -30,14 +30,15 @@ def _param(*shape: int) -> torch.nn.Parameter:
 
 
 # ---- grad mode (item 1) --------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_value_peeked_under_no_grad_keeps_the_gradient_of_the_forward_it_forced(strategy):
+def test_a_value_peeked_under_no_grad_keeps_the_gradient_of_the_forward_it_forced(strategy, mode):
     torch.manual_seed(0)
     W = _param(3, 3)
     x = torch.randn(3, dtype=F64)
     with fb.Graph(strategy, dtype=F64):
         score = fb.sum_elems(fb.tanh(fb.matmul(W, x)))
-        with torch.no_grad():
+        with mode():
             peeked = score.item()  # forces the forward with grad off
         score.backward()
     expected = torch.tanh(W @ x).sum()
@@ -60,6 +61,21 @@ def test_a_node_written_under_no_grad_carries_no_gradient(strategy):
         loss.backward()
     target_eager = (W @ x).detach()
     expected = ((W @ x * 2.0 - target_eager) ** 2).sum()
+    (grad,) = torch.autograd.grad(expected, W)
+    torch.testing.assert_close(W.grad, grad)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_loss_made_with_grad_inside_a_no_grad_region_back_propagates_as_eagerly(strategy):
+    torch.manual_seed(0)
+    W = _param(3, 3)
+    x = torch.randn(3, dtype=F64)
+    with torch.no_grad(), fb.Graph(strategy):
+        with torch.enable_grad():
+            loss = torch.tanh(W @ x).sum()
+        assert loss.requires_grad
+        loss.backward()  # backward needs no grad mode, eagerly either
+    expected = torch.tanh(W @ x).sum()
     (grad,) = torch.autograd.grad(expected, W)
     torch.testing.assert_close(W.grad, grad)
 
@@ -251,40 +267,92 @@ def test_a_parameter_updated_in_place_between_forwards_is_read_at_the_next_forwa
     assert (first, second) == (2.0, 6.0)
 
 
+# Eagerly a node is computed at its call: one recorded before a parameter or table is written
+# in place or rebound, and not computed yet, must not see the write.
+WRITES = {
+    "W.data.copy_": lambda W, E: W.data.copy_(W.data * 2),
+    "W.data[0] = 5": lambda W, E: W.data.__setitem__(0, 5.0),
+    "W.add_ under no_grad": lambda W, E: W.add_(1.0),
+    "W.data = ...": lambda W, E: setattr(W, "data", W.data * 3),
+    "nn.init.normal_(W)": lambda W, E: torch.nn.init.normal_(W),
+    "an optimizer's step": lambda W, E: torch.optim.Adam([W, E], lr=0.5).step(),
+    "E.data.mul_": lambda W, E: E.data.mul_(-2.0),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nodes_recorded_before_a_parameter_is_written_keep_its_value_at_their_call(strategy,
+                                                                                       write):
+    torch.manual_seed(0)
+    W, E = _param(3, 3), _param(4, 3)
+    W.grad, E.grad = torch.ones_like(W), torch.ones_like(E)
+    x = torch.randn(3, dtype=F64)
+
+    def model():  # the torch code and the fb ops, both read when the forward runs
+        return torch.tanh(W @ x) + fb.lookup(E, 1) * fb.sum_elems(fb.matmul(W, x))
+
+    with torch.no_grad():
+        expected_before = torch.tanh(W @ x) + E[1] * (W @ x).sum()
+    with fb.Graph(strategy):
+        before = model()  # recorded, not computed
+        with torch.no_grad():
+            WRITES[write](W, E)
+        after = model()
+        values = [before.value().detach(), after.value().detach()]
+    with torch.no_grad():
+        expected_after = torch.tanh(W @ x) + E[1] * (W @ x).sum()
+    torch.testing.assert_close(values, [expected_before, expected_after], rtol=0, atol=1e-12)
+
+
 # ---- errors only a kernel can see (item 19) ----------------------------------------------------------
 def test_a_kernel_failure_names_the_op_its_signature_and_the_nodes():
     E = torch.nn.Parameter(torch.randn(10, 3))
-    with fb.Graph() as g:
-        row = fb.lookup(E, 9)
-        E.data = torch.randn(5, 3)  # the table shrank between building and forward
-        with pytest.raises(fb.ExecutionError, match=r"lookup.*node") as info:
-            row.value()
+    g = fb.Graph()  # no graph block: nothing tells the graph of the rebind below
+    row = fb.lookup(E, 9, graph=g)
+    E.data = torch.randn(5, 3)  # the table shrank between building and forward
+    with pytest.raises(fb.ExecutionError, match=r"lookup.*node") as info:
+        row.value()
     assert isinstance(info.value.__cause__, IndexError)
     assert g.n_done == 0
+    g.close()
 
 
 def test_debug_mode_names_the_line_that_wrote_the_failing_node():
     E = torch.nn.Parameter(torch.randn(10, 3))
+    g = fb.Graph(debug=True)
+    row = fb.lookup(E, 9, graph=g)  # the line the error must name
+    E.data = torch.randn(5, 3)
+    with pytest.raises(fb.ExecutionError, match=r"test_semantics\.py:\d+") as info:
+        row.value()
+    assert "fb.lookup(E, 9, graph=g)" in str(info.value)
+    g.close()
+
+
+def test_debug_mode_names_the_users_line_of_a_failing_torch_call_not_torchs():
+    embedding = torch.nn.Embedding(10, 3)
+    w = torch.nn.Parameter(torch.ones(1))
     with fb.Graph(debug=True):
-        row = fb.lookup(E, 9)  # the line the error must name
-        E.data = torch.randn(5, 3)
-        with pytest.raises(fb.ExecutionError, match=r"test_semantics\.py:\d+") as info:
+        row = embedding((w * 11).long())  # an index computed per instance, out of range
+        with pytest.raises(fb.ExecutionError, match=r"node.*embedding") as info:
             row.value()
-    assert "fb.lookup(E, 9)" in str(info.value)
+    assert isinstance(info.value.__cause__, IndexError)
+    assert "embedding((w * 11).long())" in str(info.value)
 
 
 # ---- time accounting (item 24) -------------------------------------------------------------------
 def test_a_failed_forward_does_not_count_the_build_time_twice():
     E = torch.nn.Parameter(torch.randn(10, 3))
-    with fb.Graph() as g:
-        row = fb.lookup(E, 9)
-        time.sleep(0.2)  # "building" for 0.2 s
-        E.data = torch.randn(5, 3)
-        with pytest.raises(fb.ExecutionError):
-            row.value()
-        first_build = g.seconds["build"]
-        E.data = torch.randn(10, 3)
-        row.value()  # the retry builds nothing new
-        build_again = g.seconds["build"] - first_build
+    g = fb.Graph()  # no graph block: nothing tells the graph of the rebinds below
+    row = fb.lookup(E, 9, graph=g)
+    time.sleep(0.2)  # "building" for 0.2 s
+    E.data = torch.randn(5, 3)
+    with pytest.raises(fb.ExecutionError):
+        row.value()
+    first_build = g.seconds["build"]
+    E.data = torch.randn(10, 3)
+    row.value()  # the retry builds nothing new
+    build_again = g.seconds["build"] - first_build
+    g.close()
     assert first_build >= 0.2
     assert build_again < 0.1

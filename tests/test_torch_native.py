@@ -12,6 +12,7 @@ against eager torch, and the errors of what cannot be recorded.
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import nullcontext
 
@@ -976,6 +977,40 @@ def test_unary_functions_map_floating_expressions_onto_fb_ops_and_keep_integer_o
         assert torch.abs(x).dtype == torch.int64 and torch.abs(x).tolist() == [2, 3]
 
 
+PROMOTING = {  # an operand not of the graph's floating dtype: torch's type promotion decides
+    "mask.long() + 1": lambda h: (h > 0).long() + 1,
+    "2 * mask.long()": lambda h: 2 * (h > 0).long(),
+    "1 - mask.int()": lambda h: 1 - (h > 0).int(),
+    "-mask.long()": lambda h: -(h > 0).long(),
+    "mask.long() / 2": lambda h: (h > 0).long() / 2,
+    "h.float() * 3": lambda h: h.float() * 3,
+    "h.float() + h.float()": lambda h: h.float() + h.float(),
+    "torch.sigmoid(h.float())": lambda h: torch.sigmoid(h.float()),
+    "h.float().tanh() - 1": lambda h: h.float().tanh() - 1,
+    "h + mask.long()": lambda h: h + (h > 0).long(),
+}
+
+
+@pytest.mark.parametrize("expression", PROMOTING)
+def test_operators_on_expressions_of_another_dtype_promote_as_torch_does(expression):
+    x = torch.tensor([-1.5, 0.25, 2.0], dtype=F64)
+    w = nn.Parameter(torch.tensor([1.0, -3.0, 0.5], dtype=F64))
+    expected = PROMOTING[expression](w * x)
+    with fb.Graph():
+        got = PROMOTING[expression](w * x)
+        assert got.dtype == expected.dtype
+        assert torch.equal(got.value().detach(), expected.detach())
+
+
+def test_an_integer_expression_computed_per_instance_indexes_an_embedding():
+    emb = seeded(nn.Embedding(4, 3))
+    w = nn.Parameter(torch.tensor([1.0, -3.0, 0.5], dtype=F64))
+    expected = emb((w > 0).long() + 1).sum()
+    with fb.Graph():
+        got = emb((w * 1.0 > 0).long() + 1).sum()  # a float index: F.embedding would refuse it
+        torch.testing.assert_close(got.value(), expected, rtol=0, atol=ATOL)
+
+
 def test_calls_on_plain_tensors_run_eagerly():
     with fb.Graph() as g:
         h = torch.zeros(1, 3)
@@ -1083,12 +1118,93 @@ def test_autograd_grad_of_an_expression_raises_a_clear_error():
             torch.autograd.grad(y, w)
 
 
+OUT_OF_RANGE = {
+    "Tensor.gather": lambda h: h.gather(0, torch.tensor([7])),
+    "Tensor.index_select": lambda h: h.index_select(0, torch.tensor([3])),
+    "Tensor.__getitem__": lambda h: h[torch.tensor([0, 9])],
+    "torch.take": lambda h: torch.take(h, torch.tensor([-4])),
+    "Tensor.scatter": lambda h: h.scatter(0, torch.tensor([5]), torch.ones(1)),
+    "Tensor.index_add": lambda h: h.index_add(0, torch.tensor([3]), torch.ones(1)),
+}
+
+
+@pytest.mark.parametrize("call", OUT_OF_RANGE)
+def test_an_index_tensor_out_of_range_raises_at_the_call_naming_function_and_shapes(call):
+    w = nn.Parameter(torch.randn(3))
+    with pytest.raises((IndexError, RuntimeError)):
+        OUT_OF_RANGE[call](w * 2.0)  # eagerly
+    with fb.Graph():
+        with pytest.raises((IndexError, RuntimeError),
+                           match=rf"{re.escape(call)} on flybatch expressions of per-instance "
+                                 r"shapes \[\(3,\)"):
+            OUT_OF_RANGE[call](w * 2.0)
+
+
+def test_a_product_of_operands_of_two_dtypes_raises_at_the_call_as_eagerly():
+    w = nn.Parameter(torch.randn(3))
+    counts = torch.ones(3, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.matmul(w * 2.0, counts)  # eagerly
+    with fb.Graph():
+        with pytest.raises(RuntimeError, match=r"torch\.matmul on flybatch expressions of "
+                                               r"per-instance shapes \[\(3,\), \(3, 2\)\].*dtype"):
+            torch.matmul(w * 2.0, counts)
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "retain_grad"])
+def test_gradient_hooks_on_an_expression_raise_a_clear_error(hook):
+    w = nn.Parameter(torch.randn(3))
+    with fb.Graph():
+        y = w * 2.0
+        with pytest.raises(TypeError, match=rf"Tensor\.{hook} of a flybatch expression"):
+            getattr(y, hook)(*([print] if hook == "register_hook" else []))
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook")
+@pytest.mark.parametrize("register", ["register_full_backward_hook",
+                                      "register_full_backward_pre_hook", "register_backward_hook"])
+def test_a_module_with_backward_hooks_is_refused_in_a_graph_not_silently_unhooked(register):
+    linear = seeded(nn.Linear(3, 2))
+    getattr(linear, register)(lambda *args: None)
+    with fb.Graph():
+        with pytest.raises(TypeError, match="Linear has backward hooks"):
+            linear(fb.input(torch.randn(3)))
+    assert linear(torch.randn(3)).shape == (2,)  # outside a graph block, as ever
+
+
 def test_detach_stops_the_gradient():
     w = nn.Parameter(torch.tensor([1.0, 2.0]))
     with fb.Graph():
         x = w * 1.0
         (x.detach() * x).sum().backward()
     assert w.grad.tolist() == [1.0, 2.0]
+
+
+def test_a_buffer_the_graph_wrote_into_keeps_its_gradient_history_after_the_block():
+    w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    xs = torch.randn(4, 3)
+    expected = torch.zeros(4, 3)
+    for i, x in enumerate(xs):
+        expected[i] = torch.tanh(w * x)
+    (grad,) = torch.autograd.grad((expected ** 2).sum(), w)
+    out = torch.zeros(4, 3)
+    with fb.Graph():
+        for i, x in enumerate(xs):
+            out[i] = torch.tanh(w * x)
+    assert out.requires_grad and not out.is_leaf
+    (out ** 2).sum().backward()  # after the block, as an eager buffer would
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=0, atol=ATOL)
+    torch.testing.assert_close(w.grad, grad, rtol=0, atol=ATOL)
+
+
+def test_a_block_that_raises_leaves_the_buffers_it_wrote_as_eagerly():
+    w = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+    out = torch.zeros(3)
+    with pytest.raises(KeyError):
+        with fb.Graph():
+            out.copy_(torch.tanh(w * 2.0))
+            raise KeyError("the user's own error, after the write")
+    torch.testing.assert_close(out.detach(), torch.tanh(w * 2.0).detach(), rtol=0, atol=ATOL)
 
 
 def test_one_element_integer_tensors_are_read_at_the_call():

@@ -33,6 +33,7 @@ value in the calls that follow (`Graph.shadows`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _core, kernels, ops, packed_rnn
@@ -124,9 +126,33 @@ _REBOUND_ATTRIBUTES = frozenset({"requires_grad", "data"})  # `p.requires_grad =
 
 def _forget(tensor) -> None:
     if isinstance(tensor, torch.Tensor):
+        _before_write(tensor)  # what pending nodes read of it is what it holds before
         for graph in list(live_graphs):  # rare: a handful of graphs at most are alive
             if not graph.closed:
                 graph.forget(tensor)
+
+
+def _before_write(target) -> None:
+    """Before `target` (a tensor, or a list of them: `torch._foreach_add_`) is written in place
+    or rebound (`W.data.copy_(...)`, `W.add_(...)` under no_grad, an optimizer's step, `W.data
+    = ...`): parameters and embedding tables are read when a forward runs, so the pending nodes
+    of a graph that reads its storage run first, and see what they would have seen eagerly.
+    A forward that fails leaves its nodes pending (it raises again at their value request,
+    unless this write is the fix: `W.data = W.data.float()`)."""
+    # (through the WeakSet's own set of references: iterating the WeakSet costs ~4 us)
+    graphs = [ref() for ref in live_graphs.data]
+    pending = [g for g in graphs if g is not None and g.n_done < g.n_nodes and not g.closed]
+    if not pending:
+        return
+    tensors = target if isinstance(target, (list, tuple)) else (target,)
+    with torch._C.DisableTorchFunction():
+        storages = {t.untyped_storage().data_ptr() for t in tensors
+                    if isinstance(t, torch.Tensor) and not t.is_meta}
+    storages.discard(0)  # no storage of its own (empty)
+    for graph in pending:
+        if storages and graph.reads_later(storages):
+            with contextlib.suppress(Exception):
+                graph.forward()
 
 
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
@@ -141,6 +167,27 @@ def _step_ends(optimizer, args, kwargs) -> None:
 
 _optimizer.register_optimizer_step_pre_hook(_step_begins)
 _optimizer.register_optimizer_step_post_hook(_step_ends)
+
+
+# A module's backward hooks (`register_full_backward_hook`, `..._pre_hook`, the old
+# `register_backward_hook`) would be given one instance's gradients, which a graph computes
+# batched: torch would drop them with a warning (or fail inside its hook set-up), so a call of
+# such a module inside a graph block is refused, naming it.
+def _outside_graphs(get_hooks: Callable) -> Callable:
+    """`nn.Module._get_backward_hooks` (or `_pre_hooks`), which a module call asks only when it
+    has such hooks, refused inside a graph block."""
+    def get(module: torch.nn.Module):
+        graph = _current.get()
+        if getattr(_thread, "depth", 0) and graph is not None and not graph.closed:
+            raise TypeError(f"{type(module).__name__} has backward hooks, which cannot be given "
+                            "one instance's gradients inside a graph block (they are computed "
+                            "batched); remove them there, or read .grad after backward")
+        return get_hooks(module)
+    return get
+
+
+torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backward_hooks)
+torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
 
 
 # `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
@@ -450,6 +497,8 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     structure = _meta_outputs(func, call)
     if structure is _DataDependent or structure is _Seeded:
         return _on_values(func, call, random=structure is _Seeded)
+    if func in _INDEXING or (func in _SAME_DTYPES and len({d for _, d in call.shapes()}) > 1):
+        _check_on_zeros(func, call, args, kwargs)
     shared = call.shared()
     base = (_name(func), func, call.key, _signature(call, shared))
     single = not isinstance(structure[1], type)
@@ -460,6 +509,43 @@ def _generic(func: Callable, args: tuple, kwargs: dict) -> Any:
                      (func, call.args, call.kwargs, shared, index), dtype)
 
     return _wrap(call.graph, structure, make)
+
+
+# What meta tensors (which give a generic node its output shape) do not check, and the kernel
+# would only report at the next forward: checked at the call, as eagerly, by `_check_on_zeros`.
+# Functions whose indices, given as a plain tensor, must be in range for the shape; products
+# whose operands must be of one dtype.
+_INDEXING = frozenset(f for name in ("gather", "index_select", "take", "take_along_dim", "scatter",
+                                     "scatter_add", "scatter_reduce", "index_add", "index_copy",
+                                     "index_fill", "index_put", "__getitem__")
+                      for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+                      if f is not None)
+_SAME_DTYPES = frozenset(f for name in ("matmul", "mm", "bmm", "mv", "dot", "inner", "addmm",
+                                        "baddbmm", "einsum", "tensordot", "chain_matmul")
+                         for f in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+                         if f is not None)
+
+
+def _check_on_zeros(func: Callable, call: _Call, args: tuple, kwargs: dict) -> None:
+    """Runs `func` once with zeros standing for the expressions (their values cannot matter to
+    these checks) and the plain tensors as they are: torch's own checks, at the call."""
+    if func in _INDEXING and not any(isinstance(x, torch.Tensor) and not x.is_floating_point()
+                                     for x in pytree.tree_leaves((args, kwargs))):
+        return  # an index computed per instance: only the kernel can see it
+    g = call.graph
+
+    def stand_in(x):
+        if not isinstance(x, Expression):
+            return x
+        return torch.zeros(x.shape, dtype=g.dtype_of(x.id), device=g.device)
+
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        zeros = pytree.tree_map(stand_in, (args, kwargs))
+        try:
+            func(*zeros[0], **zeros[1])
+        except (IndexError, RuntimeError) as error:
+            raise type(error)(f"{_name(func)} on flybatch expressions of per-instance shapes "
+                              f"{[s for s, _ in call.shapes()]}: {error}") from error
 
 
 _warned: set = set()
@@ -949,8 +1035,7 @@ def _tensor_getitem(x, key):
 # ---- the fast mappings ------------------------------------------------------------------------
 def _is_float(g: Graph, x: Any) -> bool:
     if isinstance(x, Expression):  # (not g.dtype_of: it would fix the graph's dtype early)
-        dtype = g.node_dtypes.get(x.id)
-        return dtype is None or dtype.is_floating_point
+        return x.id not in g.node_dtypes  # of the graph's floating dtype, which fb ops compute in
     if isinstance(x, torch.Tensor):
         return x.is_floating_point()
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -1716,7 +1801,7 @@ _HANDLERS: dict[Callable, Callable] = {}
 _FB_UNARY: dict[Callable, Callable] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
-                      _REBOUND_ATTRIBUTES, _forget, _current, _thread, _HANDLERS,
+                      _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
                       _refuse_inplace, _unhandled, _FB_UNARY)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
@@ -1738,6 +1823,26 @@ def _register(funcs, handler) -> None:
 
 
 T = torch.Tensor
+
+# The Expression operators + - * / @ and unary - (csrc/rules.cpp) of an operand that is not of
+# the graph's floating dtype: torch's type promotion decides the result's dtype (`mask.long() +
+# 1` is an integer, `h.float() * 3` a float32), so they are recorded as the Tensor operators,
+# by operator: (the operator, its reflection for a plain left operand).
+_TENSOR_OPERATORS = ((T.__add__, T.__radd__), (T.__sub__, T.__rsub__), (T.__mul__, T.__rmul__),
+                     (T.__truediv__, T.__rtruediv__), (T.__matmul__, T.__rmatmul__),
+                     (T.__neg__, None))
+
+
+def _tensor_operator(which: int, a: Any, b: Any) -> Any:
+    operator, reflected = _TENSOR_OPERATORS[which]
+    if reflected is None:  # unary -
+        return torch_call(operator, (a,), {})
+    if isinstance(a, Expression):
+        return torch_call(operator, (a, b), {})
+    return torch_call(reflected, (b, a), {})
+
+
+ops._tensor_operator = _tensor_operator
 
 
 def _shadowed_property(name: str) -> Callable:
@@ -2048,3 +2153,16 @@ def _autograd_grad(*args, **kwargs):
 
 
 _register((torch.autograd.grad,), _autograd_grad)
+
+
+def _refuse_gradient_hook(func: Callable) -> Callable:
+    def refuse(x, *args, **kwargs):
+        raise TypeError(f"Tensor.{func.__name__} of a flybatch expression is not supported: its "
+                        "gradient is computed batched with other instances', never as a tensor "
+                        "of its own; read the parameters' (or input tensors') .grad after "
+                        "backward")
+    return refuse
+
+
+for _func in (T.register_hook, T.retain_grad):
+    _register((_func,), _refuse_gradient_hook(_func))

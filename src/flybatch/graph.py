@@ -10,6 +10,7 @@ creation order, which is a topological order, so "pending" is simply `ids >= n_d
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 import numbers
@@ -295,6 +296,8 @@ class Graph(_core.Store):
         # instance can wait until every other instance has asked too.
         self.before_value_request: Callable[[], None] | None = None
         self.parameter_nodes: list[int] = []  # re-read by every forward (see execution.run)
+        # (len(tags), the storages of the tensors among them) when `reads_later` last looked
+        self._read_storages: tuple[int, set[int]] | None = None
         # With `debug=True`, node -> "file:line: code" of the user's line that wrote it, so a
         # kernel failure can point there.
         self.origins: dict[int, str] | None = None
@@ -349,6 +352,26 @@ class Graph(_core.Store):
             self.parameter_nodes.append(node)
             self.set_parameter_tag(node, signatures.tag(self, tensor))
         return node
+
+    def reads_later(self, storages: set[int]) -> bool:
+        """Whether one of `storages` (data pointers) is that of a tensor this graph reads when
+        its forward runs: a parameter, a constant part of one (`U_f[0]`) or an embedding table
+        (inputs are copied at the call instead)."""
+        # Those of the graph's tensors, kept while no tensor is added or rebound (`forget`)
+        if self._read_storages is None or self._read_storages[0] != len(self.tags):
+            with _no_capture():
+                held = (obj.parameter if isinstance(obj, ParameterView) else obj
+                        for obj, *_ in self.tags.values())
+                self._read_storages = (len(self.tags), {
+                    t.untyped_storage().data_ptr() for t in held
+                    if isinstance(t, torch.Tensor) and not t.is_meta})
+        return not storages.isdisjoint(self._read_storages[1])
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """A tensor's requires_grad, data or size was rebound: what the graph remembers of it
+        is read again (the store's rules, the storages of `reads_later`)."""
+        self._read_storages = None
+        super().forget(tensor)
 
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
@@ -525,10 +548,12 @@ class Graph(_core.Store):
                 t1 = time.perf_counter()
                 self.seconds["schedule"] += t1 - now
                 # A forward computes the same autograd graph whatever the grad mode of the code
-                # that asked for a value (a peek under no_grad): each node's own mode decides.
-                # Kernels are plain torch: the capture of torch calls (capture.py) is off
-                # (first, so that switching grad mode on is not itself dispatched to it).
-                with torch._C.DisableTorchFunction(), torch.enable_grad():
+                # that asked for a value (a peek under no_grad or inference_mode): each node's
+                # own mode decides. Kernels are plain torch: the capture of torch calls
+                # (capture.py) is off (first, so that switching grad mode on is not itself
+                # dispatched to it).
+                with torch._C.DisableTorchFunction(), torch.inference_mode(False), \
+                        torch.enable_grad():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -554,7 +579,7 @@ class Graph(_core.Store):
         if self.padded or any(node >= self.n_done for node in nodes):
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
-        with _no_capture():  # once for all rows (the parser asks for 64 per step)
+        with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
 
     def _stacked(self, nodes: list[int]) -> torch.Tensor:
@@ -567,15 +592,15 @@ class Graph(_core.Store):
                              + (", ".join(map(str, sorted(shapes))) if shapes else "none"))
         if any(node >= self.n_done for node in nodes):  # made by a generator given as `exprs`
             rows = [self.value_of(node) for node in nodes]
-            with _no_capture():
+            with _no_capture(), torch.enable_grad():
                 return torch.stack(rows)
         positions = [self.position(node) for node in nodes]
         batch = positions[0][0]
         if any(b != batch for b, _ in positions):
             rows = [self.value_of(node) for node in nodes]
-            with _no_capture():
+            with _no_capture(), torch.enable_grad():
                 return torch.stack(rows)
-        with _no_capture():
+        with _no_capture(), torch.enable_grad():
             source, first = self.values[batch], positions[0][1]
             if batch in self.padded:  # rows as long as the longest node's: the nodes' length
                 source = source.narrow(1, 0, self.shape_of(nodes[0])[0])
@@ -592,7 +617,9 @@ class Graph(_core.Store):
             if node >= self.n_done:
                 self.forward()
         batch, row = self.position(node)
-        with _no_capture():
+        # The row keeps the node's autograd history whatever the caller's grad mode, as an
+        # eager tensor does (`backward()` under `torch.no_grad()` of a loss made with grad).
+        with _no_capture(), torch.enable_grad():
             value = self.values[batch][row]
             if batch in self.padded:  # the node's own length of a padded row
                 value = value.narrow(0, 0, self.shape_of(node)[0])
@@ -655,13 +682,18 @@ class Graph(_core.Store):
             raise GraphError("this graph is closed and its values were freed; "
                              "ask for values inside its `with` block")
 
-    def close(self, write_back: bool = True) -> None:
+    def close(self, write_back: bool = True, exc: BaseException | None = None) -> None:
         """Free the values (and the autograd graph behind them); further use raises GraphError.
         A plain tensor the graph wrote into (a buffer updated in place in a forward, a running
-        mean) first takes its last value, as eagerly it would hold it (`write_back`; not when
-        the block ends with an error)."""
+        mean) first takes its last value, as eagerly it would hold it (`write_back`), with its
+        gradient history if the value has one. When the block ends with an error, a write-back
+        that fails too (the forward it needs) is given up: the block's error is the one raised."""
         if write_back and self.shadows and not self.closed:
-            self._write_back()
+            if exc is None:
+                self._write_back()
+            else:
+                with contextlib.suppress(Exception):
+                    self._write_back()
         super().close()
         self.values = []
         self.padded = set()
@@ -673,9 +705,11 @@ class Graph(_core.Store):
     def _write_back(self) -> None:
         targets = [target for target, _ in self.shadows.values()]
         values = self.forward([new for _, new in self.shadows.values()])
-        with torch.no_grad(), _no_capture():
+        with _no_capture():
             for target, value in zip(targets, values):
-                target.copy_(value)
+                # eagerly `buf.copy_(h)` made `buf` part of h's autograd graph
+                with torch.set_grad_enabled(value.requires_grad and not target.requires_grad):
+                    target.copy_(value)
 
     def __enter__(self) -> "Graph":
         from . import capture
@@ -698,7 +732,8 @@ class Graph(_core.Store):
 
         capture.pop()
         if not self._entries:
-            self.close(write_back=exc[0] is None)
+            # (not after KeyboardInterrupt and the like: nothing more should run)
+            self.close(write_back=exc[0] is None or issubclass(exc[0], Exception), exc=exc[1])
 
     def stats(self):
         from .stats import collect
@@ -710,10 +745,15 @@ class Graph(_core.Store):
                 f"done={self.n_done}, batches={len(self.launches)})")
 
 
+def _library_module(name: str) -> bool:
+    return any(name == lib or name.startswith(lib + ".") for lib in ("flybatch", "torch"))
+
+
 def _user_line() -> str:
-    """"file:line: code" of the innermost caller outside flybatch (debug mode only)."""
+    """"file:line: code" of the innermost caller outside flybatch and torch (debug mode only):
+    the user's line, not the torch function it called (`F.embedding` of a captured module)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("flybatch"):
+    while frame is not None and _library_module(frame.f_globals.get("__name__", "")):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
