@@ -184,9 +184,35 @@ class CountPool {
 // only until its last consumer has read them. Time is then edges x the signatures a node keeps
 // and memory the live nodes x the same, whatever the number of signatures in the graph: a node
 // of one instance keeps the few signatures of its instance's path.
+//
+// A small forward (nodes x signatures up to kDenseCounts) keeps every count in one dense table
+// instead: no bookkeeping per node, a row per node the max of its inputs' rows. On the
+// 300-1,500-node graphs of bench quality that is 3-4x cheaper.
+constexpr std::size_t kDenseCounts = std::size_t{1} << 16;
+
+__attribute__((optimize("O3"))) std::vector<std::int32_t> dense_ranks_of(const Nodes& nodes, const Signatures& sigs,
+                                         const std::vector<OpFlags>& flags) {
+  constexpr std::size_t kChunk = 8;  // rows padded to chunks of 8, which the compiler vectorizes
+  const std::size_t width = (sigs.count() + kChunk - 1) / kChunk * kChunk;
+  std::vector<std::int32_t> count(static_cast<std::size_t>(nodes.n) * width, 0), rank(nodes.n);
+  for (Local v = 0; v < nodes.n; ++v) {
+    std::int32_t* __restrict row = &count[v * width];
+    for_each_input(nodes, v, [&](Local u) {
+      const std::int32_t* __restrict input = &count[u * width];
+      for (std::size_t s = 0; s < width; s += kChunk)
+        for (std::size_t k = 0; k < kChunk; ++k) row[s + k] = std::max(row[s + k], input[s + k]);
+    });
+    const std::int32_t s = sigs.of[v];
+    rank[v] = row[s] += flags[s].leaf ? 0 : 1;
+  }
+  return rank;
+}
+
 std::vector<std::int32_t> ranks_of(const Nodes& nodes, const Signatures& sigs,
                                    const std::vector<OpFlags>& flags) {
   const Local n = nodes.n;
+  if (static_cast<std::size_t>(n) * sigs.count() <= kDenseCounts)
+    return dense_ranks_of(nodes, sigs, flags);
   // Depth along this forward's edges (computed here, so the invariant holds by construction),
   // each signature's deepest node, and how many times each node is read.
   std::vector<std::int32_t> depth(n, 0), deepest(sigs.count(), 0), reads(n, 0);
@@ -389,9 +415,65 @@ struct Edges {
 // each other, and a signature needs at least max-rank launches, so the ideal schedule runs each
 // group as ONE batch; the groups' count is the lower bound of the forward.
 struct Groups {
-  std::vector<i64> of;    // per node
-  std::vector<i64> size;  // per group
-  i64 bound = 0;          // groups of signatures that launch a kernel
+  std::vector<i64> of;              // per node
+  std::vector<i64> size;            // per group
+  std::vector<std::int32_t> rank;   // per node (ranks_of)
+  std::vector<std::int32_t> high;   // per signature: its highest rank, 0 for leaves
+  i64 bound = 0;                    // groups of signatures that launch a kernel
+};
+
+// A lower bound on the launches a partial schedule still needs, kept up to date launch by
+// launch, so that a candidate of `auto` stops as soon as it cannot beat the best schedule so
+// far rather than when it has used as many launches.
+//
+// Per signature s that launches a kernel and still has nodes to run: at least one launch, and
+// at least high(s) - done(s), done(s) being the highest rank among its nodes already run. A
+// node v of rank r ends a path through s-nodes c_1 .. c_r = v of ranks exactly 1 .. r (a
+// higher rank of c_i would give v a higher one). The nodes already run are closed under
+// inputs, so those of the path are a prefix c_1 .. c_k with k <= done(s), and the rest, each
+// an input of the next, need r - k >= r - done(s) launches of s. With r = high(s) this holds
+// while a node of the highest rank is left; once none is, done(s) = high(s) and the bound is 1.
+//
+// `by_rank` false: one launch per signature left, all that holds for a schedule built from the
+// end of the forward back (list_schedule's `backward`), whose nodes run are closed under
+// consumers rather than inputs.
+class LaunchesLeft {
+ public:
+  LaunchesLeft(const Groups& groups, const Signatures& sigs, const std::vector<OpFlags>& flags,
+               bool by_rank = true)
+      : groups_(groups), sigs_(sigs), by_rank_(by_rank), left_(sigs.count(), 0),
+        done_(sigs.count(), 0) {
+    for (std::int32_t s : sigs.of) ++left_[s];
+    for (std::size_t s = 0; s < sigs.count(); ++s)
+      if (flags[s].leaf) left_[s] = 0;  // leaves launch nothing: never counted
+    for (std::size_t s = 0; s < sigs.count(); ++s) value_ += bound_of(s);
+  }
+
+  i64 value() const { return value_; }
+
+  // Nodes batch[0 .. size-1], all of one signature, have run.
+  void ran(const Local* batch, std::size_t size) {
+    const std::int32_t s = sigs_.of[batch[0]];
+    if (left_[s] == 0) return;
+    value_ -= bound_of(s);
+    left_[s] -= static_cast<Local>(size);
+    if (by_rank_)
+      for (std::size_t i = 0; i < size; ++i) done_[s] = std::max(done_[s], groups_.rank[batch[i]]);
+    value_ += bound_of(s);
+  }
+
+ private:
+  i64 bound_of(std::size_t s) const {
+    if (left_[s] == 0) return 0;
+    return by_rank_ ? std::max<i64>(1, groups_.high[s] - done_[s]) : 1;
+  }
+
+  const Groups& groups_;
+  const Signatures& sigs_;
+  const bool by_rank_;
+  std::vector<Local> left_;  // per signature: nodes not yet run (0 for leaves)
+  std::vector<std::int32_t> done_;
+  i64 value_ = 0;
 };
 
 // Groups numbered in DyNet's priority order of their signature (lowest average depth first,
@@ -399,7 +481,7 @@ struct Groups {
 Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags) {
   const Local n = nodes.n;
   const std::size_t n_sigs = sigs.count();
-  const std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
+  std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
   std::vector<double> depth_sum(n_sigs, 0.0);
   std::vector<i64> size(n_sigs, 0);
   std::vector<std::int32_t> low(n_sigs, INT32_MAX), high(n_sigs, 0);  // rank range
@@ -430,6 +512,8 @@ Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<O
   groups.of.resize(n);
   groups.size.assign(n_groups, 0);
   for (Local v = 0; v < n; ++v) ++groups.size[groups.of[v] = first_group[sigs.of[v]] + rank[v]];
+  groups.rank = std::move(rank);
+  groups.high = std::move(high);
   return groups;
 }
 
@@ -451,8 +535,9 @@ Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<O
 // which on mixed-operator DAGs and shift-reduce stacks saves a quarter to a half of the
 // launches (bench quality: random-dag 65 -> 45, spinn 165 -> 117).
 //
-// `limit`: stop once the plan has that many launches (it cannot beat a schedule already found);
-// the plan is then incomplete, its `launches` equal to the limit.
+// `limit`: stop once the plan cannot have fewer launches (its launches and the launches it still
+// needs reach it: it cannot beat a schedule already found); the plan is then incomplete, its
+// `launches` equal to the limit.
 Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
                    const Signatures& sigs, const std::vector<OpFlags>& flags,
                    const std::vector<std::int32_t>* height, bool merge,
@@ -497,6 +582,7 @@ Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
     if (waiting[v] == 0) make_ready(v);
   Plan plan;
   plan.order.reserve(n);
+  LaunchesLeft left(groups, sigs, flags);
   while (n_ready > 0) {
     i64 g;
     if (!complete.empty()) {
@@ -531,10 +617,35 @@ Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
     if (!std::is_sorted(batch, batch + size))  // it became ready in pieces
       std::sort(batch, batch + size);          // a batch lists its nodes in id order
     plan.add(batch, size, !flags[sigs.of[batch[0]]].leaf);
-    if (plan.launches >= limit) break;
+    left.ran(batch, size);
+    if (plan.launches + left.value() >= limit) {
+      plan.launches = limit;
+      break;
+    }
     for (std::size_t i = 0; i < size; ++i)
       for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
         if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
+  }
+  return plan;
+}
+
+// A plan built from the end of the forward back, in forward order: one batch per leaf
+// signature (leaves need nothing), then its batches last to first.
+Plan reversed_after_leaves(const Plan& backward, const Nodes& nodes, const Signatures& sigs,
+                           const std::vector<OpFlags>& flags) {
+  Plan plan;
+  plan.order.reserve(nodes.n);
+  std::vector<Local> leaves;
+  for (Local v = 0; v < nodes.n; ++v)
+    if (flags[sigs.of[v]].leaf) leaves.push_back(v);
+  leaves = counting_sort(leaves, sigs.count(), [&](Local v) { return sigs.of[v]; });
+  for (std::size_t i = 0, j = 0; i < leaves.size(); i = j) {
+    while (j < leaves.size() && sigs.of[leaves[j]] == sigs.of[leaves[i]]) ++j;
+    plan.add(&leaves[i], j - i, false);
+  }
+  for (std::size_t b = backward.ends.size(); b-- > 0;) {
+    const Local first = b ? backward.ends[b - 1] : 0;
+    plan.add(&backward.order[first], static_cast<std::size_t>(backward.ends[b] - first), true);
   }
   return plan;
 }
@@ -560,14 +671,28 @@ enum class Priority {
 // groups first on mixed-operator DAGs (random-dag), and the other two priorities on
 // shift-reduce stacks (spinn); `auto` keeps whichever launches least.
 //
+// `backward`: the same over the forward with its edges turned around and its leaves left out,
+// from the nodes nothing reads back to the leaves' consumers; the launches read backwards are a
+// schedule of the forward (a launch's nodes still never depend on each other, and every input
+// runs in an earlier launch), after one batch per leaf signature. `height` is then the longest
+// path from a leaf. Where the forward's list schedules lose launches by running the early
+// nodes of a signature too soon (an outer RNN step of hierarchical-rnn before the inner steps
+// of every sentence are done), the reversed one lines up the ends instead (119 -> 114
+// launches, the tight bound).
+//
 // Cost: each node joins its signature's ready list once and pushes one heap entry (an entry
 // whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes).
-Plan list_schedule(const Nodes& nodes, const Edges& edges, const Signatures& sigs,
-                   const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
-                   Priority priority, i64 limit = INT64_MAX) {
+Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
+                   const Signatures& sigs, const std::vector<OpFlags>& flags,
+                   const std::vector<std::int32_t>& height, Priority priority,
+                   bool backward = false, i64 limit = INT64_MAX) {
   const Local n = nodes.n;
   const auto n_sigs = static_cast<std::int32_t>(sigs.count());
   std::vector<Local> waiting = edges.inputs;
+  if (backward)
+    for (Local v = 0; v < n; ++v)
+      waiting[v] = static_cast<Local>(edges.consumers_ptr[v + 1] - edges.consumers_ptr[v]);
+  auto runs = [&](Local v) { return !backward || !flags[sigs.of[v]].leaf; };
   // Per signature: its nodes not yet run, its ready nodes (a contiguous range of `slots` per
   // signature, filled in the order they become ready: begin + taken .. begin + filled), the
   // height of its highest ready node and its key.
@@ -602,10 +727,11 @@ Plan list_schedule(const Nodes& nodes, const Edges& edges, const Signatures& sig
     }
   };
   for (Local v = 0; v < n; ++v)
-    if (waiting[v] == 0) make_ready(v);
+    if (waiting[v] == 0 && runs(v)) make_ready(v);
   Plan plan;
   plan.order.reserve(n);
-  while (plan.launches < limit) {
+  LaunchesLeft launches_left(groups, sigs, flags, /*by_rank=*/!backward);
+  while (true) {
     std::int32_t s = -1;
     while (!safe.empty() && s < 0) {
       const std::int32_t t = safe.back();
@@ -633,11 +759,22 @@ Plan list_schedule(const Nodes& nodes, const Edges& edges, const Signatures& sig
     top[s] = -1;
     if (!std::is_sorted(batch, batch + size)) std::sort(batch, batch + size);
     plan.add(batch, size, !flags[s].leaf);
-    for (std::size_t i = 0; i < size; ++i)
-      for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
-        if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
+    launches_left.ran(batch, size);
+    if (plan.launches + launches_left.value() >= limit) {  // as ranked_agenda's limit
+      plan.launches = limit;
+      return plan;
+    }
+    for (std::size_t i = 0; i < size; ++i) {
+      if (backward)
+        for_each_input(nodes, batch[i], [&](Local u) {
+          if (--waiting[u] == 0 && runs(u)) make_ready(u);
+        });
+      else
+        for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
+          if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
+    }
   }
-  return plan;
+  return backward ? reversed_after_leaves(plan, nodes, sigs, flags) : plan;
 }
 
 // With one depth per signature no path holds two nodes of one signature: every group is a
@@ -651,20 +788,21 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 
 // The fewest launches among several schedules, each linear in nodes + edges (the list
 // schedules: nodes log nodes): the ranked agenda with its critical-path fallback, merging
-// groups; the signature list schedules (critical path first, then two ways of weighing many
-// long paths); the agenda merging groups with DyNet's fallback; the depth rule; the ranked
-// agenda without merging, with either fallback; the depth rule's latest-possible twin. The
-// first to reach the groups' lower bound ends the search (the first alone does on every family
-// of bench/workloads.py where the bound can be reached); otherwise the fewest launches win (the
-// earliest on ties), so `auto` is never worse than `depth` or `agenda` on any graph. A
-// candidate stops as soon as it has as many launches as the best so far (it cannot win), so
-// the losers cost a fraction of a run: scheduling stays at 0.2-0.35 us per node on the families
-// that miss the bound.
+// groups; the signature list schedules (critical path first, the same built backwards, then
+// two ways of weighing many long paths); the depth rule; the agenda; the depth rule's
+// latest-possible twin. The first to reach the groups' lower bound ends the search (the first
+// alone does on every tree family of bench/workloads.py); otherwise the fewest launches win
+// (the earliest on ties), so `auto` is never worse than `depth` or `agenda` on any graph. A
+// candidate stops as soon as its launches and those it still needs (LaunchesLeft) reach the
+// best so far (it cannot win), so the losers cost a fraction of a run.
 //
 // Which wins where (20 instances, seed 0): the list schedule by critical path on random-dag
-// (45 -> 38 launches) and calculator (28 -> 27, the tight bound: optimal), by squared heights
-// on spinn (117 -> 106); the merged agenda with DyNet's fallback on hierarchical-rnn; the
-// first on the tree families.
+// (45 -> 38 launches) and calculator (28 -> 27, the tight bound: optimal), built backwards on
+// hierarchical-rnn (119 -> 114, the tight bound), by squared heights on spinn (117 -> 106);
+// the first on the tree families. Over 774 graphs (the 15 families at 2-32 instances, seeds
+// 0-3) the ranked agenda with DyNet's fallback (merging or not) and with the critical-path
+// fallback without merging never launched fewer than all of these, so `auto` no longer tries
+// them (the agenda's own schedule stays, for the guarantee).
 Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
                      const std::vector<OpFlags>& flags) {
   if (one_depth_per_signature(nodes, sigs)) return by_key(nodes, sigs, flags, nodes.depth);
@@ -672,20 +810,23 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
   const Edges edges(nodes);
   const std::vector<std::int32_t> height = heights_of(nodes);
   Plan best;
-  auto agenda = [&](const std::vector<std::int32_t>* by_height, bool merge) {
-    return ranked_agenda(nodes, groups, edges, sigs, flags, by_height, merge, best.launches);
-  };
   auto list = [&](Priority priority) {
-    return list_schedule(nodes, edges, sigs, flags, height, priority, best.launches);
+    return list_schedule(nodes, groups, edges, sigs, flags, height, priority, false,
+                         best.launches);
   };
   const std::function<Plan()> candidates[] = {
       [&] { return list(Priority::highest); },
+      [&] {
+        const std::vector<std::int32_t> depth(nodes.depth, nodes.depth + nodes.n);
+        return list_schedule(nodes, groups, edges, sigs, flags, depth, Priority::highest,
+                             /*backward=*/true, best.launches);
+      },
       [&] { return list(Priority::squares); },
       [&] { return list(Priority::highest_sum); },
-      [&] { return agenda(nullptr, true); },
       [&] { return by_key(nodes, sigs, flags, nodes.depth); },
-      [&] { return agenda(&height, false); },
-      [&] { return agenda(nullptr, false); },
+      [&] {
+        return ranked_agenda(nodes, groups, edges, sigs, flags, nullptr, false, best.launches);
+      },
       [&] {
         return by_key(nodes, sigs, flags, as_late_as_possible(nodes, sigs, flags, height).data());
       },

@@ -429,3 +429,32 @@ def test_importing_flybatch_without_its_compiled_core_says_how_to_build_it():
     assert run.returncode != 0
     assert ("ImportError: the compiled core of flybatch is not built: run `pip install -e .` "
             "(needs a C++17 compiler)") in run.stderr
+
+
+def _ranks_by_definition(g: fb.Graph) -> list[int]:
+    """Per node, the most nodes of its signature on a path ending there (leaves 0), by one
+    table of counts per node: the definition, at any size."""
+    counts: list[dict[int, int]] = []
+    ranks = []
+    for v in range(g.n_nodes):
+        count: dict[int, int] = {}
+        for u in g.args_of(v):
+            for sig, c in counts[int(u)].items():
+                count[sig] = max(count.get(sig, 0), c)
+        sig = g.sig_of(v)
+        count[sig] = count.get(sig, 0) + (0 if g.op_of(v).leaf else 1)
+        counts.append(count)
+        ranks.append(count[sig])
+    return ranks
+
+
+def test_ranks_of_a_forward_too_large_for_a_dense_table_are_still_the_definition():
+    """Small forwards count ranks in one dense table (nodes x signatures up to 2^16); larger
+    ones keep sparse counts per node (csrc/schedule.cpp, ranks_of). Both give the definition."""
+    from flybatch.bench import workloads
+    fam = workloads.family("child-sum-treelstm")
+    with fb.Graph() as g:
+        fb.esum(workloads.build(fb, fam, workloads.make_params(), workloads.instances(fam, 20)))
+        sigs = {g.sig_of(v) for v in range(g.n_nodes)}
+        assert g.n_nodes * len(sigs) > 2 ** 16
+        assert _core.signature_ranks(start=0, end=g.n_nodes, graph=g) == _ranks_by_definition(g)

@@ -17,9 +17,10 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   ready group with the longest path to the end of the forward (critical path); list schedules
   over signatures (a launch takes every ready node of its signature; a signature all of whose
   remaining nodes are ready runs first, which is exact; otherwise the critical path, or the
-  squared heights of the ready nodes, picks); the agenda above; `depth`; and `depth`'s
-  latest-possible twin. Never worse than `depth` or `agenda`; a candidate that cannot beat the
-  best so far stops early.
+  squared heights of the ready nodes, picks), the critical-path one also built backwards from
+  the end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin. Never
+  worse than `depth` or `agenda`; a candidate whose launches and a lower bound on those it
+  still needs reach the best so far stops early.
 
 Scheduling also fixes where each node's value will live (the store's node_batch/node_row
 columns) and orders the rows of each batch by where its most recent input lives, so that the

@@ -362,6 +362,91 @@ def _value(x):
     return x.value() if hasattr(x, "value") else x
 
 
+# ---- n-ary trees whose nodes pick among several op types --------------------------------------
+def make_mixed_op_tree(rng: random.Random, depth: int = 4):
+    """A tree of 0-3 children per node; each inner node draws its combining op (a sum, a max or
+    a gated pair of its children), so one tree level mixes ops, arities and leaves."""
+    arity = 0 if depth == 0 else rng.choice((0, 1, 2, 2, 3))
+    op = rng.choice(("sum", "max", "pair")) if arity >= 2 else "one"
+    return op, rng.randrange(VOCAB), [make_mixed_op_tree(rng, depth - 1) for _ in range(arity)]
+
+
+def mixed_op_tree_loss(B, P, tree):
+    def encode(node):
+        op, word, children = node
+        if not children:
+            return B.lookup(P["E"], word)
+        hs = [encode(child) for child in children]
+        if op == "one":
+            return B.tanh(B.matmul(P["A"], hs[0]) + B.lookup(P["E"], word))
+        if op == "sum":
+            return B.tanh(B.affine(P["Wf"], B.esum(hs), P["bf"]))
+        if op == "max":
+            return B.relu(B.affine(P["M1"], B.emax(hs), P["m1"]))
+        gate = B.sigmoid(B.matmul(P["Bm"], hs[-1]))
+        return gate * B.tanh(B.affine(P["W_comp"], B.concat(hs[:2]), P["b_comp"]))
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], encode(tree)), tree[1] % LABELS)
+
+
+# ---- a recurrent chain with long skip connections ----------------------------------------
+def make_skip_chain(rng: random.Random):
+    """Per step a word and, at random steps, a skip from a state 2-8 steps back: paths through
+    the chain meet the skip ops at different positions in every instance."""
+    n = rng.randint(3, 14)
+    return [(rng.randrange(VOCAB), rng.randint(2, 8) if t >= 2 and rng.random() < 0.4 else 0)
+            for t in range(n)]
+
+
+def skip_chain_loss(B, P, steps):
+    states = [B.zeros(H)]
+    for word, back in steps:
+        h = B.affine(P["M1"], states[-1], P["m1"]) + B.lookup(P["E"], word)
+        if back:  # a long skip: the state `back` steps ago, projected, joins this one
+            h = h + B.tanh(B.matmul(P["A"], states[max(0, len(states) - back)]))
+        states.append(B.tanh(h))
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], B.average(states[1:])), len(steps) % LABELS)
+
+
+# ---- iterative refinement until converged, per instance (map_batched) ---------------------------
+def make_refinement(rng: random.Random):
+    return rng.randrange(VOCAB), rng.randint(1, 7), rng.randrange(LABELS)
+
+
+def refinement_loss(B, P, instance):
+    """Refines a state until its update is small or it has run its own number of iterations
+    (1-7); the size of each update is asked for as a value, so instances stop at different
+    iterations and the rest go on."""
+    word, most, label = instance
+    x = B.lookup(P["E"], word)
+    h = B.tanh(B.matmul(P["Bm"], x))
+    for _ in range(most):
+        update = B.tanh(B.matmul(P["A"], h) + B.affine(P["Wf"], x, P["bf"])) - h
+        h = h + 0.5 * update
+        if _value(B.squared_norm(update)).item() < 0.3:
+            break
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], h), label)
+
+
+# ---- beam search: every kept hypothesis fans out, the best survive (map_batched) -------------
+def make_beam(rng: random.Random):
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
+            for _ in range(rng.randint(1, 4))]
+
+
+def beam_loss(B, P, steps):
+    """A beam of up to 2 hypotheses: at each step every hypothesis extends by each of that
+    step's 1-3 candidate words, each extension is scored (a value request), and the 2 best
+    survive; the loss sums the survivors' losses at the end."""
+    beam = [B.tanh(B.matmul(P["Bm"], B.lookup(P["E"], 0)))]
+    for words in steps:
+        grown = [B.tanh(B.affine(P["M1"], h, P["m1"]) + B.lookup(P["E"], w))
+                 for h in beam for w in words]
+        scores = [_value(B.dot(P["va"], h)).item() for h in grown]
+        ranked = sorted(range(len(grown)), key=lambda i: -scores[i])
+        beam = [grown[i] for i in ranked[:2]]
+    return B.esum([B.pick_neg_log_softmax(B.matmul(P["M2"], h), k) for k, h in enumerate(beam)])
+
+
 FAMILIES = (
     Family("tree-gru-mlp", lambda rng: _random_tree(rng, rng.randint(2, 9)), tree_gru_loss),
     Family("lattice-lstm", make_lattice, lattice_loss),
@@ -374,6 +459,10 @@ FAMILIES = (
     Family("bahdanau-attention", make_translation, bahdanau_loss),
     Family("hierarchical-rnn", make_document, document_loss),
     Family("early-exit", make_early_exit, early_exit_loss, value_requests=True),
+    Family("mixed-op-tree", make_mixed_op_tree, mixed_op_tree_loss),
+    Family("skip-chain", make_skip_chain, skip_chain_loss),
+    Family("refinement", make_refinement, refinement_loss, value_requests=True),
+    Family("beam-search", make_beam, beam_loss, value_requests=True),
 )
 
 
