@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flybatch as fb
-from flybatch import _core, scheduling
+from flybatch import _core, execution, scheduling
 
 
 class Planned:
@@ -349,13 +349,19 @@ def _encoder_then_steps(W, E, rows, backwards):
     return W.grad, E.grad
 
 
+# An encoder result of 12 x 4 is read as it is, one of 12 x 512 through its gradient sink.
+WIDTHS = pytest.mark.parametrize("width", [4, 512], ids=["small result", "large result"])
+
+
+@WIDTHS
 @pytest.mark.parametrize("rows", STEP_ROWS)
 @pytest.mark.parametrize("backwards", [1, 2])
 def test_reads_of_an_earlier_forward_give_eager_gradients_also_on_a_second_backward(rows,
-                                                                                   backwards):
+                                                                                   backwards,
+                                                                                   width):
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-    E = torch.nn.Parameter(torch.randn(12, 4, dtype=torch.float64))
+    W = torch.nn.Parameter(torch.randn(width, width, dtype=torch.float64) / width ** 0.5)
+    E = torch.nn.Parameter(torch.randn(12, width, dtype=torch.float64))
     states = [torch.tanh(W @ E[i]) for i in range(12)]
     eager = sum(torch.tanh(W @ states[r]).sum() for step in range(6) for r in rows(step))
     expected = torch.autograd.grad(eager, (W, E))
@@ -363,7 +369,9 @@ def test_reads_of_an_earlier_forward_give_eager_gradients_also_on_a_second_backw
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one_per_read():
+@WIDTHS
+def test_reads_of_a_large_result_of_an_earlier_forward_make_one_gradient_buffer_not_one_per_read(
+        width):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class FullSizeZeros(TorchDispatchMode):
@@ -383,8 +391,8 @@ def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one
             return out
 
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(4, 4))
-    E = torch.nn.Parameter(torch.randn(12, 4))
+    W = torch.nn.Parameter(torch.randn(width, width))
+    E = torch.nn.Parameter(torch.randn(12, width))
     with fb.Graph() as g:
         states = [fb.tanh(W @ fb.lookup(E, i)) for i in range(12)]
         g.forward()
@@ -397,7 +405,10 @@ def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one
         counting = FullSizeZeros(tuple(encoder.shape))
         with counting:
             loss.backward()
-    assert counting.count == 1
+    # A small result (under SINK_MIN_ELEMENTS) is read as autograd reads it: a zero tensor per
+    # read (one per forward here), which costs less than a sink.
+    assert (encoder.numel() >= execution.SINK_MIN_ELEMENTS) == (width == 512)
+    assert counting.count == (1 if width == 512 else 20)
 
 
 # ---- concat of rows of one result: one stacked read, eager values and gradients ----------------
@@ -468,7 +479,9 @@ def _autograd_functions(tensor: torch.Tensor) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
-def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_function(strategy):
+def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_function(strategy,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(execution, "SINK_MIN_ELEMENTS", 0)  # every result behind its sink
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
     E = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))

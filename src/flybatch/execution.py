@@ -18,6 +18,8 @@ cannot be fanned out once, since its readers come one forward at a time: its par
 through a `_GradientSink` instead, whose backward adds each read's gradient into one buffer
 per result (one zero tensor per result, not one per read). A forward makes all its reads of
 earlier results first, in ONE autograd function (`_SinkReads`), however many results they read.
+A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is: a zero tensor
+of its size per read costs less than a sink.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -115,7 +117,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
     forward's result behind a gradient sink)."""
     read = reads[k]
     parts, inverse = (read[1], read[2]) if read[0] == "multi" else ((k,), None)
-    if any(p in pieces or reads[p][0] == "multi" or reads[p][1] < first_batch for p in parts):
+    if any(p in pieces or reads[p][0] == "multi" or
+           (reads[p][1] < first_batch and _behind_sink(graph.values[reads[p][1]])) for p in parts):
         return False
     picked = np.frombuffer(graph.indices(nodes), np.int64)
     if inverse is not None:  # the parts' rows in their concatenated order
@@ -234,9 +237,13 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
     fanned: set[int] = set()
-    for source, (read_ids, gather, sizes, piece_of) in fan_outs.items():
+    for source, fan_out in fan_outs.items():
         if source >= first_batch or not values[source].requires_grad:
             continue
+        if not _behind_sink(values[source]):
+            _fan_out(graph, source, fan_out, indices, pieces)  # as a result of this forward
+            continue
+        read_ids, gather, sizes, piece_of = fan_out
         fanned.update(read_ids)
         sink = _sink(graph, source)
         if gather is None:  # disjoint runs: a read of each run read
@@ -254,8 +261,8 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
         if kind == "multi" or source >= first_batch or k in fanned:
             continue
         tensor = values[source]
-        if not tensor.requires_grad or (kind == "view" and read[3] == tensor.shape[0]):
-            continue  # no backward to protect, or the whole result: read in place
+        if not _behind_sink(tensor) or (kind == "view" and read[3] == tensor.shape[0]):
+            continue  # read as it is (by _resolve), or the whole result: read in place
         if kind == "view":
             specs.append((_sink(graph, source), None, read[2], read[3]))
             graph.gathers_avoided += 1
@@ -303,6 +310,19 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
 
 
 # ---- reads of an earlier forward's results ----------------------------------------------------
+# A result of an earlier forward with fewer elements than this is read as it is, its gradient
+# zero-filled per read as autograd does: for 16 KB that costs less than the ~20 us a gradient
+# sink adds to a forward and to the backward. (The parser's score vectors of one step, read by
+# the next step's hinge losses only, are such results; a BiLSTM's outputs are not.)
+SINK_MIN_ELEMENTS = 4096
+
+
+def _behind_sink(result: torch.Tensor) -> bool:
+    """Whether the partial reads of `result`, a result of an earlier forward, go through its
+    gradient sink."""
+    return result.requires_grad and result.numel() >= SINK_MIN_ELEMENTS
+
+
 def _sink(graph: "Graph", source: int) -> "_GradientSink":
     sink = graph.sinks.get(source)
     tensor = graph.values[source]
