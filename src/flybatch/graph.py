@@ -575,7 +575,7 @@ class Graph(_core.Store):
             if batch in self.padded:  # rows as long as the longest node's: the nodes' length
                 source = source.narrow(1, 0, exprs[0].shape[0])
             if rows is None:
-                return source.narrow(0, first, len(exprs))
+                return source[first:first + len(exprs)]  # (a slice: faster than narrow)
             index = torch.frombuffer(rows, dtype=torch.int64).to(source.device)
             return source.index_select(0, index)
 
