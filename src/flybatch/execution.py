@@ -303,7 +303,15 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
         return _fit(tensor.index_select(0, indices.rows(at, length, tensor)), width)
     _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, width) for p in parts])
+    tensors = []
+    for p in parts:  # (a run of rows read as it is, inline: a feature read from each of many
+        part = reads[p]  # earlier results is one such part per result)
+        if part[0] == "view" and width < 0 and p not in pieces:
+            tensors.append(_rows(graph.values[part[1]], part[2], part[3]))
+            graph.gathers_avoided += 1
+        else:
+            tensors.append(_resolve(graph, p, reads, indices, pieces, width))
+    stacked = torch.cat(tensors)
     if inverse is None:
         return stacked
     return stacked.index_select(0, indices.rows(inverse, rows, stacked))
