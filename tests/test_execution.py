@@ -513,3 +513,40 @@ def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_fu
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
     for got, want in zip((W.grad, E.grad), torch.autograd.grad(expected, (W, E))):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+def test_a_concat_of_rows_of_many_small_earlier_results_gives_eager_values_and_gradients(
+        strategy, monkeypatch):
+    """Ten features, each a row of another step's result (one part per result): read as one
+    cat of the whole results and one index_select (`_rows_of_small_results`)."""
+    whole_reads = []
+    read = execution._rows_of_small_results
+    monkeypatch.setattr(execution, "_rows_of_small_results",
+                        lambda *args: whole_reads.append(read(*args)) or whole_reads[-1])
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(12, 4, dtype=torch.float64))
+    U = torch.nn.Parameter(torch.randn(2, 40, dtype=torch.float64))
+    picks = [[(5 * k + step) % 12 for k in range(10)] for step in range(2)]  # out of order
+    with fb.Graph(strategy=strategy) as g:
+        h, states = fb.zeros(4), []
+        for i in range(12):
+            h = fb.tanh(W @ h + fb.lookup(E, i))
+            states.append(h)
+        g.forward()
+        losses = []
+        for rows in picks:
+            losses.append(fb.sum_elems(U @ fb.concat([states[r] for r in rows])))
+            g.forward()
+        fb.esum(losses).backward()
+        values = [loss.item() for loss in losses]
+    assert any(t is not None for t in whole_reads)
+    h, eager = torch.zeros(4, dtype=torch.float64), []
+    for i in range(12):
+        h = torch.tanh(W @ h + E[i])
+        eager.append(h)
+    expected = [(U @ torch.cat([eager[r] for r in rows])).sum() for rows in picks]
+    torch.testing.assert_close(values, [v.item() for v in expected], rtol=1e-12, atol=1e-12)
+    for got, want in zip((W.grad, E.grad, U.grad), torch.autograd.grad(sum(expected), (W, E, U))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
