@@ -6,7 +6,8 @@ results, gathered into ONE tensor with the batch in dim 0:
 - a contiguous, in-order run of one result (or every node reading the same node, a `[1, ...]`
   view the kernel broadcasts): a zero-copy view, the whole tensor itself when it covers it;
 - arbitrary rows of one result: one `index_select`; rows of several results: one per result
-  and one `cat` (and one more `index_select` to restore the order when needed).
+  and one `cat` (and one more `index_select` to restore the order when needed); rows of many
+  small results: one `cat` of the whole results and one `index_select`.
 Backward is PyTorch autograd over the batched forward, so it runs over the same batches. Its
 cost trap: every partial read of a result makes autograd build a zero tensor the size of the
 whole result in backward. So a result read in pieces by several later batches is *fanned out*
