@@ -689,7 +689,8 @@ PyObject* store_stacked_rows(PyObject* self, PyObject* exprs) {
   PyObject* rows = PyByteArray_FromStringAndSize(nullptr, n * 8);
   if (!rows) return nullptr;
   i64* out = reinterpret_cast<i64*>(PyByteArray_AS_STRING(rows));
-  for (Py_ssize_t i = 0; i < n; ++i) out[i] = c.row[reinterpret_cast<const Expression*>(items[i])->id];
+  for (Py_ssize_t i = 0; i < n; ++i)
+    out[i] = c.row[reinterpret_cast<const Expression*>(items[i])->id];
   return Py_BuildValue("(iiN)", batch, first, rows);
 }
 
