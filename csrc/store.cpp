@@ -654,6 +654,46 @@ PyObject* store_position(PyObject* self, PyObject* arg) {
   });
 }
 
+const char kStackedRowsDoc[] =
+    "stacked_rows(exprs) -> (batch, first, rows) or None\n\n"
+    "Where the values of `exprs` (a list or tuple of this graph's computed expressions of one\n"
+    "shape) lie when they are rows of ONE batch result: (batch, first, None) when they are its\n"
+    "rows first, first + 1, ... in order, else (batch, first, rows) with `rows` their row numbers\n"
+    "(an int64 bytearray). None in every other case (another sequence, an item that is not an\n"
+    "expression of this graph, a pending node, two shapes, two batches): forward(stack=True)\n"
+    "then takes its general path, which also raises the errors. One call, where the parser's\n"
+    "read of 64 score vectors per step took three Python calls per expression.";
+
+PyObject* store_stacked_rows(PyObject* self, PyObject* exprs) {
+  Store* s = as_store(self);
+  if (!PyList_CheckExact(exprs) && !PyTuple_CheckExact(exprs)) Py_RETURN_NONE;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(exprs);
+  PyObject* const* items = PySequence_Fast_ITEMS(exprs);
+  const Columns& c = *s->nodes;
+  std::int32_t batch = -1, shape = -1, first = 0;
+  bool in_order = true;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyObject_TypeCheck(items[i], &ExpressionBase)) Py_RETURN_NONE;
+    const Expression* e = reinterpret_cast<const Expression*>(items[i]);
+    const i64 v = e->id;
+    if (e->graph != s || v >= s->n_done || v >= c.batch.size() || c.batch[v] < 0) Py_RETURN_NONE;
+    if (i == 0) {
+      batch = c.batch[v], shape = c.shape[v], first = c.row[v];
+    } else if (c.batch[v] != batch || c.shape[v] != shape) {
+      Py_RETURN_NONE;
+    }
+    in_order = in_order && c.row[v] == first + i;
+  }
+  if (n == 0) Py_RETURN_NONE;
+  if (in_order) return Py_BuildValue("(iiO)", batch, first, Py_None);
+  PyObject* rows = PyByteArray_FromStringAndSize(nullptr, n * 8);
+  if (!rows) return nullptr;
+  i64* out = reinterpret_cast<i64*>(PyByteArray_AS_STRING(rows));
+  for (Py_ssize_t i = 0; i < n; ++i)
+    out[i] = c.row[reinterpret_cast<const Expression*>(items[i])->id];
+  return Py_BuildValue("(iiN)", batch, first, rows);
+}
+
 PyObject* store_unschedule(PyObject* self, PyObject* const* argv, Py_ssize_t argc) {
   Store* s = as_store(self);
   if (argc != 2) {
@@ -730,6 +770,7 @@ PyMethodDef kStoreMethods[] = {
      "scheduler writes where each node of a forward lives there; new entries are unscheduled)"},
     {"position", store_position, METH_O,
      "position(node) -> (batch, row): where a scheduled node's value lives"},
+    {"stacked_rows", store_stacked_rows, METH_O, kStackedRowsDoc},
     {"unschedule", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store_unschedule)),
      METH_FASTCALL,
      "unschedule(start, first_batch): forget the positions of nodes start.. and the batches\n"

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flybatch as fb
-from flybatch import _core, scheduling
+from flybatch import _core, execution, scheduling
 
 
 class Planned:
@@ -349,13 +349,19 @@ def _encoder_then_steps(W, E, rows, backwards):
     return W.grad, E.grad
 
 
+# An encoder result of 12 x 4 is read as it is, one of 12 x 512 through its gradient sink.
+WIDTHS = pytest.mark.parametrize("width", [4, 512], ids=["small result", "large result"])
+
+
+@WIDTHS
 @pytest.mark.parametrize("rows", STEP_ROWS)
 @pytest.mark.parametrize("backwards", [1, 2])
 def test_reads_of_an_earlier_forward_give_eager_gradients_also_on_a_second_backward(rows,
-                                                                                   backwards):
+                                                                                   backwards,
+                                                                                   width):
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-    E = torch.nn.Parameter(torch.randn(12, 4, dtype=torch.float64))
+    W = torch.nn.Parameter(torch.randn(width, width, dtype=torch.float64) / width ** 0.5)
+    E = torch.nn.Parameter(torch.randn(12, width, dtype=torch.float64))
     states = [torch.tanh(W @ E[i]) for i in range(12)]
     eager = sum(torch.tanh(W @ states[r]).sum() for step in range(6) for r in rows(step))
     expected = torch.autograd.grad(eager, (W, E))
@@ -363,7 +369,9 @@ def test_reads_of_an_earlier_forward_give_eager_gradients_also_on_a_second_backw
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one_per_read():
+@WIDTHS
+def test_reads_of_a_large_result_of_an_earlier_forward_make_one_gradient_buffer_not_one_per_read(
+        width):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class FullSizeZeros(TorchDispatchMode):
@@ -383,8 +391,8 @@ def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one
             return out
 
     torch.manual_seed(0)
-    W = torch.nn.Parameter(torch.randn(4, 4))
-    E = torch.nn.Parameter(torch.randn(12, 4))
+    W = torch.nn.Parameter(torch.randn(width, width))
+    E = torch.nn.Parameter(torch.randn(12, width))
     with fb.Graph() as g:
         states = [fb.tanh(W @ fb.lookup(E, i)) for i in range(12)]
         g.forward()
@@ -397,7 +405,10 @@ def test_reads_of_an_earlier_forward_make_one_gradient_buffer_per_result_not_one
         counting = FullSizeZeros(tuple(encoder.shape))
         with counting:
             loss.backward()
-    assert counting.count == 1
+    # A small result (under SINK_MIN_ELEMENTS) is read as autograd reads it: a zero tensor per
+    # read (one per forward here), which costs less than a sink.
+    assert (encoder.numel() >= execution.SINK_MIN_ELEMENTS) == (width == 512)
+    assert counting.count == (1 if width == 512 else 20)
 
 
 # ---- concat of rows of one result: one stacked read, eager values and gradients ----------------
@@ -468,7 +479,9 @@ def _autograd_functions(tensor: torch.Tensor) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
-def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_function(strategy):
+def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_function(strategy,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(execution, "SINK_MIN_ELEMENTS", 0)  # every result behind its sink
     torch.manual_seed(0)
     W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
     E = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
@@ -499,4 +512,41 @@ def test_a_forward_reads_rows_of_several_earlier_results_through_one_autograd_fu
                    for h in [eager[0][0], eager[0][2], eager[1][1], eager[0][2]])
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
     for got, want in zip((W.grad, E.grad), torch.autograd.grad(expected, (W, E))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+def test_a_concat_of_rows_of_many_small_earlier_results_gives_eager_values_and_gradients(
+        strategy, monkeypatch):
+    """Ten features, each a row of another step's result (one part per result): read as one
+    cat of the whole results and one index_select (`_rows_of_small_results`)."""
+    whole_reads = []
+    read = execution._rows_of_small_results
+    monkeypatch.setattr(execution, "_rows_of_small_results",
+                        lambda *args: whole_reads.append(read(*args)) or whole_reads[-1])
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(12, 4, dtype=torch.float64))
+    U = torch.nn.Parameter(torch.randn(2, 40, dtype=torch.float64))
+    picks = [[(5 * k + step) % 12 for k in range(10)] for step in range(2)]  # out of order
+    with fb.Graph(strategy=strategy) as g:
+        h, states = fb.zeros(4), []
+        for i in range(12):
+            h = fb.tanh(W @ h + fb.lookup(E, i))
+            states.append(h)
+        g.forward()
+        losses = []
+        for rows in picks:
+            losses.append(fb.sum_elems(U @ fb.concat([states[r] for r in rows])))
+            g.forward()
+        fb.esum(losses).backward()
+        values = [loss.item() for loss in losses]
+    assert any(t is not None for t in whole_reads)
+    h, eager = torch.zeros(4, dtype=torch.float64), []
+    for i in range(12):
+        h = torch.tanh(W @ h + E[i])
+        eager.append(h)
+    expected = [(U @ torch.cat([eager[r] for r in rows])).sum() for rows in picks]
+    torch.testing.assert_close(values, [v.item() for v in expected], rtol=1e-12, atol=1e-12)
+    for got, want in zip((W.grad, E.grad, U.grad), torch.autograd.grad(sum(expected), (W, E, U))):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

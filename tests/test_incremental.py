@@ -205,3 +205,16 @@ def test_forward_stacked_refuses_expressions_of_different_shapes():
         a, b = fb.input(torch.ones(2)), fb.input(torch.ones(3))
         with pytest.raises(fb.ShapeError, match=r"one shape, got \(2,\), \(3,\)"):
             g.forward([a, b], stack=True)
+
+
+def test_forward_stacked_reads_a_generator_and_refuses_another_graphs_expression():
+    x = torch.arange(3.0)
+    with fb.Graph() as g:
+        values = g.forward((fb.tanh(fb.input(x)) * k for k in (1.0, 2.0)), stack=True)
+        torch.testing.assert_close(values, torch.stack([x.tanh(), 2 * x.tanh()]))
+        mine = fb.tanh(fb.input(x))
+        with fb.Graph() as h:
+            theirs = fb.tanh(fb.input(x))
+            h.forward()
+            with pytest.raises(fb.GraphError, match="another graph"):
+                g.forward([mine, theirs], stack=True)

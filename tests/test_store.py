@@ -101,3 +101,20 @@ def test_an_lstm_over_a_sequence_is_one_node_giving_what_its_cell_gives_step_by_
             together[0].id)} == {"lstm_layer"}
         for a, b in zip(stepwise, together):
             torch.testing.assert_close(a.value(), b.value())
+
+
+def test_stacked_rows_finds_the_rows_of_one_batch_result_in_one_call():
+    W = torch.nn.Parameter(torch.randn(3, 4))
+    with fb.Graph(strategy="agenda") as g:
+        scores = [W @ fb.input(torch.randn(4)) for _ in range(4)]
+        other = fb.tanh(scores[0])
+        g.forward()
+        batch, row = g.position(scores[0].id)
+        assert g.stacked_rows(scores) == (batch, row, None)  # consecutive rows: a view
+        batch, first, rows = g.stacked_rows(scores[::-1])
+        assert np.frombuffer(rows, np.int64).tolist() == [row + 3, row + 2, row + 1, row]
+        # two results, two shapes, a pending node, not a list: the general path decides
+        pending = fb.tanh(other)
+        for exprs in ([scores[0], other], [other, fb.input(torch.ones(3))], [scores[0], pending],
+                      iter(scores), []):
+            assert g.stacked_rows(exprs) is None

@@ -6,7 +6,8 @@ results, gathered into ONE tensor with the batch in dim 0:
 - a contiguous, in-order run of one result (or every node reading the same node, a `[1, ...]`
   view the kernel broadcasts): a zero-copy view, the whole tensor itself when it covers it;
 - arbitrary rows of one result: one `index_select`; rows of several results: one per result
-  and one `cat` (and one more `index_select` to restore the order when needed).
+  and one `cat` (and one more `index_select` to restore the order when needed); rows of many
+  small results: one `cat` of the whole results and one `index_select`.
 Backward is PyTorch autograd over the batched forward, so it runs over the same batches. Its
 cost trap: every partial read of a result makes autograd build a zero tensor the size of the
 whole result in backward. So a result read in pieces by several later batches is *fanned out*
@@ -18,6 +19,8 @@ cannot be fanned out once, since its readers come one forward at a time: its par
 through a `_GradientSink` instead, whose backward adds each read's gradient into one buffer
 per result (one zero tensor per result, not one per read). A forward makes all its reads of
 earlier results first, in ONE autograd function (`_SinkReads`), however many results they read.
+A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is: a zero tensor
+of its size per read costs less than a sink.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -113,7 +116,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
     forward's result behind a gradient sink)."""
     read = reads[k]
     parts, inverse = (read[1], read[2]) if read[0] == "multi" else ((k,), None)
-    if any(p in pieces or reads[p][0] == "multi" or reads[p][1] < first_batch for p in parts):
+    if any(p in pieces or reads[p][0] == "multi" or
+           (reads[p][1] < first_batch and _behind_sink(graph.values[reads[p][1]])) for p in parts):
         return False
     picked = np.frombuffer(graph.indices(nodes), np.int64)
     if inverse is not None:  # the parts' rows in their concatenated order
@@ -232,9 +236,13 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
     fanned: set[int] = set()
-    for source, (read_ids, gather, sizes, piece_of) in fan_outs.items():
+    for source, fan_out in fan_outs.items():
         if source >= first_batch or not values[source].requires_grad:
             continue
+        if not _behind_sink(values[source]):
+            _fan_out(graph, source, fan_out, indices, pieces)  # as a result of this forward
+            continue
+        read_ids, gather, sizes, piece_of = fan_out
         fanned.update(read_ids)
         sink = _sink(graph, source)
         if gather is None:  # disjoint runs: a read of each run read
@@ -252,8 +260,8 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
         if kind == "multi" or source >= first_batch or k in fanned:
             continue
         tensor = values[source]
-        if not tensor.requires_grad or (kind == "view" and read[3] == tensor.shape[0]):
-            continue  # no backward to protect, or the whole result: read in place
+        if not _behind_sink(tensor) or (kind == "view" and read[3] == tensor.shape[0]):
+            continue  # read as it is (by _resolve), or the whole result: read in place
         if kind == "view":
             specs.append((_sink(graph, source), None, read[2], read[3]))
             graph.gathers_avoided += 1
@@ -294,13 +302,66 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
         return _fit(tensor.index_select(0, indices.rows(at, length, tensor)), width)
     _, parts, inverse, rows = read
     graph.gathers += 1
-    stacked = torch.cat([_resolve(graph, p, reads, indices, pieces, width) for p in parts])
+    stacked = _rows_of_small_results(graph, parts, reads, indices, pieces) if width < 0 else None
+    if stacked is None:
+        tensors = []
+        for p in parts:  # (a run of rows read as it is, inline: a feature read from each of
+            part = reads[p]  # many earlier results is one such part per result)
+            if part[0] == "view" and width < 0 and p not in pieces:
+                tensors.append(_rows(graph.values[part[1]], part[2], part[3]))
+                graph.gathers_avoided += 1
+            else:
+                tensors.append(_resolve(graph, p, reads, indices, pieces, width))
+        stacked = torch.cat(tensors)
     if inverse is None:
         return stacked
     return stacked.index_select(0, indices.rows(inverse, rows, stacked))
 
 
+# Rows of MANY small results (a feature read from each of many earlier steps: one part per
+# result): one cat of the whole results and one index_select of the rows cost less than a view
+# of each part (~2 us a view, in which time a cat copies thousands of elements).
+WHOLE_RESULTS_MIN_PARTS = 8
+WHOLE_RESULTS_MAX_ELEMENTS_PER_PART = 4096
+
+
+def _rows_of_small_results(graph: "Graph", parts: tuple, reads: list[Read], indices: _Indices,
+                           pieces: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The rows of the part reads `parts` of a multi read, concatenated, as one cat of their
+    results and one index_select; None when there are few parts, a part is a piece of a
+    fan-out, or the results are too large to copy whole."""
+    if len(parts) < WHOLE_RESULTS_MIN_PARTS or any(p in pieces for p in parts):
+        return None
+    results = [graph.values[reads[p][1]] for p in parts]
+    if sum(r.numel() for r in results) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
+        return None
+    rows: list[int] = []
+    first = 0  # of each result in the cat
+    for p, result in zip(parts, results):
+        kind, _, at, length = reads[p]
+        if kind == "view":
+            rows += range(first + at, first + at + length)
+        else:
+            rows += (indices.numpy[at:at + length] + first).tolist()
+        first += result.shape[0]
+    whole = torch.cat(results)
+    return whole.index_select(0, torch.tensor(rows, device=whole.device))
+
+
 # ---- reads of an earlier forward's results ----------------------------------------------------
+# A result of an earlier forward with fewer elements than this is read as it is, its gradient
+# zero-filled per read as autograd does: for 16 KB that costs less than the ~20 us a gradient
+# sink adds to a forward and to the backward. (The parser's score vectors of one step, read by
+# the next step's hinge losses only, are such results; a BiLSTM's outputs are not.)
+SINK_MIN_ELEMENTS = 4096
+
+
+def _behind_sink(result: torch.Tensor) -> bool:
+    """Whether the partial reads of `result`, a result of an earlier forward, go through its
+    gradient sink."""
+    return result.requires_grad and result.numel() >= SINK_MIN_ELEMENTS
+
+
 def _sink(graph: "Graph", source: int) -> "_GradientSink":
     sink = graph.sinks.get(source)
     tensor = graph.values[source]
@@ -361,7 +422,7 @@ class _SinkReads(torch.autograd.Function):
     def forward(ctx, specs, sinks, *tokens):
         ctx.specs, ctx.sinks = specs, sinks
         ctx.set_materialize_grads(False)  # an output nobody used gets no zero-filled gradient
-        return tuple(sink.tensor.narrow(0, start, length) if rows is None else
+        return tuple(sink.tensor[start:start + length] if rows is None else
                      sink.tensor.index_select(0, rows) for sink, rows, start, length in specs)
 
     @staticmethod
@@ -385,7 +446,9 @@ def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _rows(source: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """Rows start..start+length of a batch result, as a view (the tensor itself if all)."""
+    """Rows start..start+length of a batch result, as a view (the tensor itself if all).
+    (A slice, not `narrow`: torch's fast path for slices saves ~1 us a call, and a forward
+    reading rows of many results makes one per result.)"""
     if start == 0 and length == source.shape[0]:
         return source
-    return source.narrow(0, start, length)
+    return source[start:start + length]
