@@ -6,7 +6,9 @@ prints one JSON line: the CPU milliseconds of a training step (thread time, so t
 processes on a shared machine count less), the phases the graph reports (build, schedule,
 forward, backward, wall ms), the kernel launches and the first loss, as medians over `--steps`
 minibatches after `--warmup`. Alternate it between the two checkouts, a few times each, and
-compare medians: one process per run, the same minibatches in each.
+compare medians: one process per run, the same minibatches in each. Gradients are dropped
+after each step, as the benchmark's optimizer update does (accumulated over steps, the
+embedding table's sparse gradient grows and its accumulation would be timed too).
 """
 
 from __future__ import annotations
@@ -34,13 +36,20 @@ def main() -> None:
     data = prepare(args.task, args.data_dir, 0)
     task = create(args.task, data, "cpu", 0)
     batches = minibatches(data.train, 64, 0)
-    first = task.step(args.mode, next(batches), train=True)
+
+    def step():
+        result = task.step(args.mode, next(batches), train=True)
+        for p in task.params.values():
+            p.grad = None
+        return result
+
+    first = step()
     for _ in range(args.warmup):
-        task.step(args.mode, next(batches), train=True)
+        step()
     cpu, phases, launches = [], [], []
     for _ in range(args.steps):
         start = time.thread_time()
-        result = task.step(args.mode, next(batches), train=True)
+        result = step()
         cpu.append(time.thread_time() - start)
         phases.append(result.seconds)
         if result.stats is not None:

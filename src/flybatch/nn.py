@@ -516,20 +516,25 @@ def _tree_leaf_kernel(xs, attr, shape):
 
 def _nary_kernel(xs, attr, shape):
     n, has_x = attr
-    hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in xs[:n]])
+    size = max(t.shape[0] for t in xs[:n])
+    # A child every node reads is one row; expanded only then (an expand is an autograd node).
+    hcs = [hc if hc.shape[0] == size else hc.expand(size, -1) for hc in xs[:n]]
+    hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in hcs])
     x = xs[n] if has_x else None
     u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
-    size = max(t.shape[0] for t in xs[:n])
-    children = torch.cat([h.expand(size, -1) for h in hs], 1)
+    children = torch.cat(hs, 1)
     iou = kernels.linear(children, u_iou.squeeze(0), b_iou.squeeze(0))
     if has_x:
         iou = iou + kernels.linear(x, xs[-1].squeeze(0))
     u_fs = u_f.squeeze(0).unbind(0)  # unbind: its backward stacks, no zero-filled copies
-    for h in hs:  # the forget gates' products, outside `kernels.linear`
-        kernels.flops.add(h.shape[0] * u_f.shape[-2], h.shape[1], h, u_f)
-    c = sum(torch.sigmoid(torch.addmm(b_f.squeeze(0), h, u_fs[k].T)) * ck
-            for k, (h, ck) in enumerate(zip(hs, cs)))
-    return _finish(iou, c)
+    b_f = b_f.squeeze(0)
+    fcs = []  # f_k * c_k
+    for k, (h, ck) in enumerate(zip(hs, cs)):
+        kernels.flops.add(h.shape[0] * u_f.shape[-2], h.shape[1], h, u_f)  # outside `linear`
+        fcs.append(torch.sigmoid(torch.addmm(b_f, h, u_fs[k].T)) * ck)
+    # Summed from the first term, not from sum()'s 0: `0 + t` is a pass and an autograd node.
+    # (addcmul would save the adds' passes, but its backward multiplies by its scalar too.)
+    return _finish(iou, sum(fcs[1:], fcs[0]))
 
 
 def _child_sum_kernel(xs, lengths, shape):
