@@ -186,7 +186,9 @@ def transpose(x): return _t(x).T
 
 def dropout(x, p: float):
     if p != 0.0:
-        raise ValueError("eager.dropout only models p=0 (it has no shared random stream)")
+        # (the equivalence tests do not seed the two runs alike; seeded masks equal to eager's
+        # are test_semantics' and test_torch_native's)
+        raise ValueError("eager.dropout only models p=0")
     return _t(x)
 
 

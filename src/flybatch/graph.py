@@ -576,9 +576,8 @@ class Graph(_core.Store):
             found = self.stacked_rows(exprs)  # rows of one batch result (the common case)
             if found is not None:
                 return self._batch_rows(*found, exprs)
+            return self._stacked([self.node_of(e) for e in exprs])
         nodes = [self.node_of(e) for e in exprs]
-        if stack:
-            return self._stacked(nodes)
         # One at a time: a node made by a generator given as `exprs`, or a row of a result
         # stored padded (narrowed to the node's shape).
         if self.padded or any(node >= self.n_done for node in nodes):
