@@ -45,6 +45,8 @@ PyObject* s_open_list = nullptr;        // "["
 PyObject* s_close = nullptr;            // ")"
 PyObject* s_bar = nullptr;              // "|"
 PyObject* s_slice = nullptr;            // "slice"
+PyObject* s_float = nullptr;            // "float"
+PyObject* s_bool = nullptr;             // "bool"
 PyObject* s_requires_grad = nullptr;    // "requires_grad"
 PyObject* s_is_leaf = nullptr;          // "is_leaf"
 PyObject* s_dunder = nullptr;           // "__"
@@ -197,6 +199,15 @@ struct TakeApart {
         append(key, k.get());
         return Py_NewRef(x);
       }
+    }
+    // A float or bool keyed as _key keys it, without its Python call: F.* functions pass
+    // constants such as `label_smoothing=0.0` to every call.
+    if (PyFloat_CheckExact(x) || PyBool_Check(x)) {
+      const bool is_float = PyFloat_CheckExact(x);
+      Owned part{is_float ? checked(PyObject_Repr(x)) : Py_NewRef(x)};
+      Owned k{PyTuple_Pack(2, is_float ? s_float : s_bool, part.get())};
+      append(key, k.get());
+      return Py_NewRef(x);
     }
     Owned k{PyObject_CallOneArg(g_key_of, x)};
     append(key, k.get());
@@ -832,6 +843,8 @@ bool register_capture(PyObject* module) {
   s_close = PyUnicode_InternFromString(")");
   s_bar = PyUnicode_InternFromString("|");
   s_slice = PyUnicode_InternFromString("slice");
+  s_float = PyUnicode_InternFromString("float");
+  s_bool = PyUnicode_InternFromString("bool");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
   s_name = PyUnicode_InternFromString("__name__");
@@ -850,7 +863,7 @@ bool register_capture(PyObject* module) {
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
   return s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
-         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
+         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;

@@ -108,3 +108,14 @@ def test_each_thread_records_into_its_own_graph():
     for t in threads:
         t.join()
     assert results == {0: (True, 1, 0), 1: (True, 1, 0)}
+
+
+def test_a_calls_key_tells_floats_and_bools_apart_as_capture_key_does():
+    from flybatch import capture
+
+    constants = (1.5, -0.0, 0.0, float("nan"), True, 1, "sum", None)
+    with fb.Graph() as g:
+        x = fb.input(torch.ones(3))
+        key = _core.take_apart(g, (x,) + constants, None, ())[-1]
+    assert key == ("#",) + tuple(capture._key(c) for c in constants)
+    assert len(set(key)) == len(key)  # -0.0 is not 0.0, True is not 1

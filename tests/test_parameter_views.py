@@ -33,3 +33,11 @@ def test_a_view_of_a_rebound_parameter_is_read_anew_by_the_next_forward():
         U.data = 2 * torch.ones(2, 3, dtype=F64)
         second = F.linear(x, U[0:1]).sum()
         assert second.item() == 6.0
+
+
+def test_an_int_index_and_the_same_index_as_a_tuple_are_one_node():
+    U = torch.nn.Parameter(torch.randn(2, 3, 3, dtype=F64))
+    with fb.Graph():
+        assert U[1].id == U[(1,)].id == U[1].id != U[0].id
+        assert U[True].shape == (1, 2, 3, 3)  # a bool is no int index: torch adds a dim
+        torch.testing.assert_close(U[1].value(), U.detach()[1])

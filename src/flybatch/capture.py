@@ -1022,14 +1022,18 @@ def _tensor_getitem(x, key):
         return x[key]
     if not (x.requires_grad and x.is_leaf and x.is_floating_point() and x.dim() >= 1):
         return NotImplemented
-    if type(key) is int and x.dim() == 2:
-        return ops.lookup(x, key)
-    keys = key if isinstance(key, tuple) else (key,)
-    if all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
-        # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
-        g = current_graph()
-        return Expression(g, g.parameter_view_node(x, key, _key(keys)))
-    return NotImplemented
+    if type(key) is int:
+        if x.dim() == 2:
+            return ops.lookup(x, key)
+        key_id = ("tuple", key)  # _key((key,)), the commonest part (`U_f[0]`) keyed directly
+    else:
+        keys = key if isinstance(key, tuple) else (key,)
+        if not all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
+            return NotImplemented
+        key_id = _key(keys)
+    # A constant part of a parameter: one shared parameter node per graph.
+    g = current_graph()
+    return Expression(g, g.parameter_view_node(x, key, key_id))
 
 
 # ---- the fast mappings ------------------------------------------------------------------------
