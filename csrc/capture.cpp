@@ -434,6 +434,9 @@ PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> 
 PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
 PyObject* g_unhandled = nullptr;        // capture._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
+PyObject* g_planned = nullptr;          // capture._PLANNED: F.linear, Tensor.view... -> (handler, weights)
+PyObject* g_recipe_type = nullptr;      // capture._Recipe
+PyObject* s_apply = nullptr;            // "apply"
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
@@ -662,6 +665,49 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(PyObject_CallOneArg(op, x));
 }
 
+// The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
+// chunk / split), taken by that plan without the handler's Python frames (~7k F.linear calls
+// per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the handler would pass on
+// as it is: no keywords, no None, an expression first and no operand led by a length (the
+// handler's row-wise plans), every other tensor a parameter the graph of that expression has
+// met (the node it resolves to is made already: resolving the operands again in the handler,
+// where this path declines, adds no node).
+// NULL (no error) where the handler decides: any other call, a first sight, a declined key.
+PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (PyDict_GET_SIZE(kwargs)) return nullptr;
+  PyObject* entry = PyDict_GetItemWithError(g_planned, func);  // borrowed
+  if (!entry) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n == 0 || Py_TYPE(PyTuple_GET_ITEM(args, 0)) !=
+                    reinterpret_cast<PyTypeObject*>(g_expression_type))
+    return nullptr;
+  const Store* g = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0))->graph;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = PyTuple_GET_ITEM(args, i);
+    if (x == Py_None) return nullptr;
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {  // sizes, a shape: no operands
+      for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(x); ++k)
+        if (!PyLong_CheckExact(PySequence_Fast_GET_ITEM(x, k))) return nullptr;
+    } else if (PyObject_TypeCheck(x, &ExpressionBase)) {
+      const Expression* e = reinterpret_cast<Expression*>(x);
+      if (length_led(e->graph, e->id)) return nullptr;
+    } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
+      if (!g->parameters->count(x)) return nullptr;
+    }
+  }
+  PyObject* handler = PyTuple_GET_ITEM(entry, 0);
+  PyObject* call[5] = {Py_None, args, Py_None, PyTuple_GET_ITEM(entry, 1), handler};
+  Owned out{take_apart(nullptr, call, 5)};
+  if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();  // a plan's node
+  const int recipe = PyObject_IsInstance(out.get(), g_recipe_type);
+  if (recipe < 0) throw PythonError{};
+  if (recipe) return checked(PyObject_CallMethodOneArg(out.get(), s_apply, args));
+  return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+}
+
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
@@ -682,6 +728,7 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
     }
   }
   if (PyObject* out = fb_unary(func, args, kwargs.get())) return out;
+  if (PyObject* out = planned(func, args, kwargs.get())) return out;
   PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
@@ -770,24 +817,28 @@ PyMethodDef kTorchFunction = {
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
     "rebound_attributes, forget, before_write, current, thread, handlers, refuse_inplace, "
-    "unhandled, fb_unary)\n\n"
+    "unhandled, fb_unary, planned, recipe_type)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
     "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, _before_write, graph._current, "
     "capture._thread, "
-    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY.";
+    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
-      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!:configure_front", &PyType_Type,
+      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops,
+      *planned_calls, *recipe_type;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!O!O!:configure_front", &PyType_Type,
                         &mode_class, &PyFrozenSet_Type, &describe, &PyFrozenSet_Type,
                         &reads_value, &PyFrozenSet_Type, &rebinds, &PyFrozenSet_Type, &recorded,
                         &PyFrozenSet_Type, &rebound, &forget, &before_write,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
-                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops))
+                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops,
+                        &PyDict_Type, &planned_calls, &PyType_Type, &recipe_type))
     return nullptr;
+  Py_XSETREF(g_planned, Py_NewRef(planned_calls));
+  Py_XSETREF(g_recipe_type, Py_NewRef(recipe_type));
   Py_XSETREF(g_fb_unary, Py_NewRef(fb_unary_ops));
   Py_XSETREF(g_describe, Py_NewRef(describe));
   Py_XSETREF(g_reads_value, Py_NewRef(reads_value));
@@ -862,7 +913,8 @@ bool register_capture(PyObject* module) {
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  s_apply = PyUnicode_InternFromString("apply");
+  return s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

@@ -119,3 +119,24 @@ def test_a_calls_key_tells_floats_and_bools_apart_as_capture_key_does():
         key = _core.take_apart(g, (x,) + constants, None, ())[-1]
     assert key == ("#",) + tuple(capture._key(c) for c in constants)
     assert len(set(key)) == len(key)  # -0.0 is not 0.0, True is not 1
+
+
+def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
+    W = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    frozen = torch.randn(6, 4, dtype=torch.float64)  # no grad: the generic path, 3 nodes
+    x0 = torch.randn(4, dtype=torch.float64)
+    expected = F.linear(x0, W, b).detach()
+    with fb.Graph() as g:
+        x = fb.input(x0)
+        calls = [(lambda: F.linear(x, W, b), 1), (lambda: F.linear(x, W), 1),
+                 (lambda: x.unsqueeze(0), 1), (lambda: x.chunk(2), 2),
+                 (lambda: F.linear(x, frozen), 3)]
+        for call, nodes in calls:
+            call()  # the first sight makes the plan (and W's, b's parameter nodes)
+            for _ in range(3):
+                before = g.n_nodes
+                out = call()
+                assert g.n_nodes - before == nodes
+        torch.testing.assert_close(F.linear(x, W, b).value(), expected)
+        assert [p.value().tolist() for p in x.chunk(2)] == [x0[:2].tolist(), x0[2:].tolist()]

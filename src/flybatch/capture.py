@@ -1803,10 +1803,14 @@ _HANDLERS: dict[Callable, Callable] = {}
 # The unary functions `_fb_unary` maps onto an fb op: `torch_call` applies the op itself to one
 # floating expression without other arguments, the commonest call, and calls the handler else.
 _FB_UNARY: dict[Callable, Callable] = {}
+# The functions whose handler only looks the call's plan up, as `_record(handler, args, kwargs,
+# build, weights)`: function -> (handler, weights). `torch_call` takes a known plan itself,
+# without the handler's Python frames, for a call the handler would pass on unchanged.
+_PLANNED: dict[Callable, tuple[Callable, tuple]] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled, _FB_UNARY)
+                      _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
 # methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
@@ -1888,6 +1892,7 @@ for _func in (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.sque
               torch.squeeze, T.unsqueeze, torch.unsqueeze, T.view_as, T.reshape_as, T.unflatten,
               torch.unflatten, T.contiguous, T.ravel, torch.ravel):
     _register((_func,), _reshape_like(_func))
+    _PLANNED[_func] = (_HANDLERS[_func], ())
 _register((torch.sum, T.sum), _shifted(torch.sum, 1, "sum", reduce_all=_reduce_all(ops.sum_elems)))
 _register((torch.mean, T.mean), _shifted(torch.mean, 1, "mean",
                                          reduce_all=_reduce_all(ops.mean_elems)))
@@ -1929,10 +1934,12 @@ for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, tor
     if _func is not None:
         _register((_func,), _elementwise(_func))
 _register((F.linear, torch._C._nn.linear), _linear)
+_PLANNED.update({F.linear: (_linear, (1, 2)), torch._C._nn.linear: (_linear, (1, 2))})
 _register((T.__getitem__,), _tensor_getitem)
 for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.split, 1),
                        (T.unbind, 0), (torch.unbind, 0), (T.split_with_sizes, 1)):
     _register((_func,), _pieces(_func, _dim_at))
+    _PLANNED[_func] = (_HANDLERS[_func], ())
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _group_norm)
