@@ -56,6 +56,7 @@ PyObject* g_no_args = nullptr;          // ()
 PyObject* s_is_cpu = nullptr;           // "is_cpu"
 PyObject* s_shape_attr = nullptr;       // "shape"
 PyObject* s_index_input = nullptr;      // "index input"
+PyObject* s_item = nullptr;             // "item"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
@@ -90,7 +91,9 @@ i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
       if (PyErr_Occurred()) throw PythonError{};
       return -1;  // not one element
     }
-  Owned value{PyNumber_Long(x)};
+  // (`x.item()`: an int for these dtypes, in a third of the time of int(x))
+  Owned item{PyObject_CallMethodNoArgs(x, s_item)};
+  Owned value{PyNumber_Long(item.get())};
   Owned key{PyTuple_Pack(3, s_index_input, shape.get(), dtype.get())};
   PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, shape.get(), key.get(), Py_None,
                            value.get()};
@@ -910,11 +913,12 @@ bool register_capture(PyObject* module) {
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
+  s_item = PyUnicode_InternFromString("item");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
-  return s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  return s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&
