@@ -140,3 +140,19 @@ def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
                 assert g.n_nodes - before == nodes
         torch.testing.assert_close(F.linear(x, W, b).value(), expected)
         assert [p.value().tolist() for p in x.chunk(2)] == [x0[:2].tolist(), x0[2:].tolist()]
+
+
+def test_the_capture_modes_attributes_by_c_string_are_those_getattr_gives():
+    # torch finds a mode's __torch_function__ with PyObject_GetAttrString, which the capture
+    # mode's type answers through its own tp_getattr (csrc/capture.cpp, mode_getattr)
+    import ctypes
+
+    from flybatch import capture
+
+    by_c_string = ctypes.pythonapi.PyObject_GetAttrString
+    by_c_string.restype, by_c_string.argtypes = ctypes.py_object, [ctypes.py_object, ctypes.c_char_p]
+    mode = capture._Capture()
+    for name in ("__torch_function__", "__enter__", "__class__"):
+        assert by_c_string(mode, name.encode()) == getattr(mode, name)
+    with pytest.raises(AttributeError):
+        by_c_string(mode, b"no_such_attribute")
