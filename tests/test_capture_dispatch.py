@@ -142,17 +142,21 @@ def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
         assert [p.value().tolist() for p in x.chunk(2)] == [x0[:2].tolist(), x0[2:].tolist()]
 
 
-def test_the_capture_modes_attributes_by_c_string_are_those_getattr_gives():
-    # torch finds a mode's __torch_function__ with PyObject_GetAttrString, which the capture
-    # mode's type answers through its own tp_getattr (csrc/capture.cpp, mode_getattr)
+def test_the_capture_mode_and_an_expression_give_by_c_string_what_getattr_gives():
+    # torch looks __torch_function__ up with PyObject_GetAttrString (on a mode) and by C string
+    # through tp_getattr (on an argument), which both types answer with their own tp_getattr
+    # (csrc/capture.cpp mode_getattr, csrc/store.cpp expression_getattr)
     import ctypes
 
     from flybatch import capture
 
     by_c_string = ctypes.pythonapi.PyObject_GetAttrString
     by_c_string.restype, by_c_string.argtypes = ctypes.py_object, [ctypes.py_object, ctypes.c_char_p]
-    mode = capture._Capture()
-    for name in ("__torch_function__", "__enter__", "__class__"):
-        assert by_c_string(mode, name.encode()) == getattr(mode, name)
-    with pytest.raises(AttributeError):
-        by_c_string(mode, b"no_such_attribute")
+    with fb.Graph():
+        x = fb.input(torch.ones(2))
+    for obj, names in ((capture._Capture(), ("__torch_function__", "__enter__", "__class__")),
+                       (x, ("__torch_function__", "graph", "id", "shape", "value"))):
+        for name in names:
+            assert by_c_string(obj, name.encode()) == getattr(obj, name)
+        with pytest.raises(AttributeError):
+            by_c_string(obj, b"no_such_attribute")
