@@ -64,6 +64,21 @@ void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
 }
 
+// isinstance(x, torch.Tensor), without the metaclass's __instancecheck__ call (~500
+// instructions) for the common cases: a tensor (or subclass) by its type, and the plain scalars
+// and containers that fill argument lists (torch.Tensor's metaclass makes no virtual
+// subclasses).
+bool is_tensor(PyObject* x) {
+  if (PyType_IsSubtype(Py_TYPE(x), reinterpret_cast<PyTypeObject*>(g_tensor_type))) return true;
+  if (PyLong_CheckExact(x) || PyFloat_CheckExact(x) || x == Py_None || PyBool_Check(x) ||
+      PyUnicode_CheckExact(x) || PyList_CheckExact(x) || PyTuple_CheckExact(x) ||
+      PyDict_CheckExact(x) || PySlice_Check(x) || PyObject_TypeCheck(x, &ExpressionBase))
+    return false;
+  const int tensor = PyObject_IsInstance(x, g_tensor_type);
+  if (tensor < 0) throw PythonError{};
+  return tensor;
+}
+
 // Graph.dtype (a new reference): the graph's `_dtype` once fixed, without calling the property
 // (a Python call, twice per recorded call otherwise); the property while it is not.
 PyObject* graph_dtype(PyObject* graph) {
@@ -177,9 +192,7 @@ struct TakeApart {
       Expression* e = reinterpret_cast<Expression*>(x);
       return slot(e->graph == g ? e->id : operand_node(g, x), from_weight);  // raises if foreign
     }
-    const int tensor = PyObject_IsInstance(x, g_tensor_type);
-    if (tensor < 0) throw PythonError{};
-    if (tensor) return slot(tensor_node(x), from_weight);
+    if (is_tensor(x)) return slot(tensor_node(x), from_weight);
     const bool is_tuple = PyTuple_CheckExact(x), is_list = PyList_CheckExact(x);
     if (is_tuple || is_list) {
       append(key, is_tuple ? s_open_tuple : s_open_list);
@@ -470,18 +483,6 @@ bool contains(PyObject* set, PyObject* item) {
   const int found = PySet_Contains(set, item);
   if (found < 0) throw PythonError{};
   return found;
-}
-
-// isinstance(x, torch.Tensor), without the metaclass's __instancecheck__ call for the common
-// cases: a tensor (or subclass) by its type, and the plain scalars that fill argument lists.
-bool is_tensor(PyObject* x) {
-  if (PyType_IsSubtype(Py_TYPE(x), reinterpret_cast<PyTypeObject*>(g_tensor_type))) return true;
-  if (PyLong_CheckExact(x) || PyFloat_CheckExact(x) || x == Py_None || PyBool_Check(x) ||
-      PyUnicode_CheckExact(x))
-    return false;
-  const int tensor = PyObject_IsInstance(x, g_tensor_type);
-  if (tensor < 0) throw PythonError{};
-  return tensor;
 }
 
 // The scan of a call's tensor arguments for a shadowed tensor or a parameter. What it needs of
