@@ -744,7 +744,13 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
         PyObject* key = nullptr;
         if (PyTuple_GET_SIZE(args.get())) target = PyTuple_GET_ITEM(args.get(), 0);
         else if (kwargs) PyDict_Next(kwargs, &at, &key, &target);
-        Owned done{checked(PyObject_CallOneArg(g_before_write, target))};
+        // What to call after the write (rows taken as views of the tensor), or None.
+        Owned after{checked(PyObject_CallOneArg(g_before_write, target))};
+        if (after.get() != Py_None) {
+          Owned result{checked(PyObject_Call(func, args.get(), kwargs))};
+          Owned done{checked(PyObject_CallNoArgs(after.get()))};
+          return result.release();
+        }
       }
     }
     return PyObject_Call(func, args.get(), kwargs);

@@ -132,18 +132,22 @@ def _forget(tensor) -> None:
                 graph.forget(tensor)
 
 
-def _before_write(target) -> None:
+def _before_write(target) -> Callable[[], None] | None:
     """Before `target` (a tensor, or a list of them: `torch._foreach_add_`) is written in place
     or rebound (`W.data.copy_(...)`, `W.add_(...)` under no_grad, an optimizer's step, `W.data
     = ...`): parameters and embedding tables are read when a forward runs, so the pending nodes
     of a graph that reads its storage run first, and see what they would have seen eagerly.
     A forward that fails leaves its nodes pending (it raises again at their value request,
-    unless this write is the fix: `W.data = W.data.float()`)."""
+    unless this write is the fix: `W.data = W.data.float()`). Returns what to call after an
+    in-place write, when a graph holds rows taken as views of the tensor (`Graph.row_views`);
+    a rebinding calls nothing after: eager views keep the storage they were taken of."""
     # (through the WeakSet's own set of references: iterating the WeakSet costs ~4 us)
     graphs = [ref() for ref in live_graphs.data]
-    pending = [g for g in graphs if g is not None and g.n_done < g.n_nodes and not g.closed]
-    if not pending:
-        return
+    graphs = [g for g in graphs if g is not None and not g.closed]
+    pending = [g for g in graphs if g.n_done < g.n_nodes]
+    viewing = [g for g in graphs if g.row_views]
+    if not pending and not viewing:
+        return None
     tensors = target if isinstance(target, (list, tuple)) else (target,)
     with torch._C.DisableTorchFunction():
         storages = {t.untyped_storage().data_ptr() for t in tensors
@@ -153,6 +157,10 @@ def _before_write(target) -> None:
         if storages and graph.reads_later(storages):
             with contextlib.suppress(Exception):
                 graph.forward()
+    viewing = [g for g in viewing if not storages.isdisjoint(g.row_views)]
+    if not viewing:
+        return None
+    return lambda: [g.refresh_row_views(storages) for g in viewing if not g.closed] and None
 
 
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
@@ -1023,7 +1031,9 @@ def _tensor_getitem(x, key):
     if not (x.requires_grad and x.is_leaf and x.is_floating_point() and x.dim() >= 1):
         return NotImplemented
     if type(key) is int and x.dim() == 2:
-        return ops.lookup(x, key)
+        row = ops.lookup(x, key)
+        row.graph.note_row_view(row.id, x, key)
+        return row
     keys = key if isinstance(key, tuple) else (key,)
     if all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
         # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.

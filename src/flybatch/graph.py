@@ -270,6 +270,11 @@ class Graph(_core.Store):
         # `stats()` can still describe the launches).
         self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
+        # `W[i]` of a 2-D parameter is, eagerly, a view of its row: a write into W in place is
+        # seen by every later use of it. Here it is a lookup (all rows of a table batch into
+        # one call), so its computed row is brought up to date after such a write: storage of
+        # the table -> (node, the table's tensor when the row was taken, row).
+        self.row_views: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         # Execution state: node -> (batch, row) of `values` lives in the store's node_batch and
         # node_row columns, filled by the scheduler; nodes below `n_done` (a store field) are
         # computed.
@@ -393,6 +398,24 @@ class Graph(_core.Store):
             self.parameter_nodes.append(node)  # re-read by each forward, as parameters are
             self.set_parameter_tag(node, signatures.tag(self, view))
         return node
+
+    def note_row_view(self, node: int, table: torch.Tensor, row: int) -> None:
+        """Node `node` is `table[row]`, a view of the row in eager torch (see `row_views`)."""
+        with _no_capture():  # (detach: the storage it is a view of now, were `.data` rebound)
+            held = table.detach()
+            self.row_views.setdefault(held.untyped_storage().data_ptr(), []).append(
+                (node, held, row))
+
+    def refresh_row_views(self, storages: set[int]) -> None:
+        """After an in-place write into the tensors of `storages`: the computed rows taken as
+        views of them hold what the views hold now (pending ones read it when they run). As
+        eagerly, a use saved for backward before the write then fails its version check."""
+        with _no_capture(), torch.no_grad():
+            for storage in storages:
+                for node, table, row in self.row_views.get(storage, ()):
+                    if node < self.n_done:
+                        batch, position = self.position(node)
+                        self.values[batch][position].copy_(table[row])
 
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:
         """A parameter or table must match the graph's dtype and device (the first one fixes
@@ -701,6 +724,7 @@ class Graph(_core.Store):
         self.padded = set()
         self.sinks = {}
         self._leaf_nodes = {}
+        self.row_views = {}
         self.tags = {}
         self.shadows = {}
 
