@@ -930,8 +930,15 @@ PyObject* getitem_fallback(PyObject* x, PyObject* index) {
   return out;
 }
 
-// x[i] picks, x[a:b] slices (step 1) in C, the common cases of per-instance code.
+// x[i] picks, x[a:b] slices (step 1) in C, the common cases of per-instance code. The fb ops
+// compute in the graph's dtype: an expression of another (topk's indices) is indexed as the
+// Tensor it stands for, by the fallback.
 PyObject* expr_getitem(PyObject* x, PyObject* index) {
+  try {
+    if (of_other_dtype(x)) return getitem_fallback(x, index);
+  } catch (const PythonError&) {
+    return nullptr;
+  }
   if (PySlice_Check(index)) {
     PySliceObject* s = reinterpret_cast<PySliceObject*>(index);
     if (s->step != Py_None) {

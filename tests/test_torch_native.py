@@ -1355,3 +1355,29 @@ def test_a_view_taken_before_the_graph_wrote_into_its_tensor_raises_instead_of_r
             with pytest.raises(RuntimeError, match=r"view of shape \(3,\).*before the graph"):
                 use()
         assert out[1].tolist() == proj(torch.ones(3)).tolist()  # taken after: the new values
+
+
+def _indexed_by_computed_indices(W, x):
+    values, indices = (x * W[0]).topk(2)  # indices: a 0-d int64 expression each
+    first, second = indices[0], indices[1]
+    return (values * x[first]).sum() + W[first].sum() + W[:, second].sum() + W[1, first] \
+        + x[-second - 1] + W[torch.tensor(3)].sum()
+
+
+@pytest.mark.parametrize("strategy", ["depth", "auto"])
+def test_an_index_computed_per_instance_selects_as_eagerly_batched_without_value_requests(
+        strategy):
+    W = torch.nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(4)]
+    expected = [_indexed_by_computed_indices(W, x) for x in xs]
+    sum(expected).backward()
+    grad, W.grad = W.grad.clone(), None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs on the values" fallback
+        with fb.Graph(strategy=strategy) as g:
+            got = [_indexed_by_computed_indices(W, x) for x in xs]
+            sum(got).backward()
+            assert [t.item() for t in got] == pytest.approx([t.item() for t in expected],
+                                                             rel=1e-12)
+            assert g.forwards == 1
+    torch.testing.assert_close(W.grad, grad)

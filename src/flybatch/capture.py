@@ -949,18 +949,51 @@ def _getitem_batched(key, batch):
 
 
 def getitem(x: Expression, key: Any) -> Any:
-    keys = key if isinstance(key, tuple) else (key,)
-    # A 0-d integer tensor indexes as the int it holds (its meta stand-in has no value).
-    keys = tuple(int(k) if isinstance(k, torch.Tensor) and k.dim() == 0 and
-                 not k.is_floating_point() and k.dtype != torch.bool else k for k in keys)
+    keys = _held_ints(key if isinstance(key, tuple) else (key,))
     for k in keys:
         if isinstance(k, (bool, np.bool_, float)):
             raise IndexError(f"{x!r}[{key!r}]: only integers, slices, None, ... and integer "
                              "tensors are valid indices")
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
+        selected = _by_computed_indices(x, keys)
+        if selected is not None:
+            return selected
         return _generic(torch.Tensor.__getitem__, (x, key), {})
 
     return _record(getitem, (x, keys), None, _getitem_plan)
+
+
+def _held_ints(keys: tuple) -> tuple:
+    """A 0-d integer tensor indexes as the int it holds (its meta stand-in has no value)."""
+    return tuple(int(k) if isinstance(k, torch.Tensor) and k.dim() == 0 and
+                 not k.is_floating_point() and k.dtype != torch.bool else k for k in keys)
+
+
+def _is_computed_index(k: Any) -> bool:
+    return isinstance(k, Expression) and k.dim() == 0 and k.dtype in (torch.int64, torch.int32)
+
+
+def _by_computed_indices(x: Any, keys: tuple) -> Any:
+    """`x[j]`, `x[:, j]`, `x[i, j]`... with `j` a 0-d integer expression (an index computed per
+    instance: `topk`'s, `argmax(dim)`'s): eagerly it indexes as the int it holds, a select, whose
+    shape no meta run can find (the stand-in holds no value). Recorded as one index_select per
+    such index (a negative one counts from the end, as eagerly; one out of range fails its
+    forward, naming the op), batched over instances. None for any other key."""
+    if not any(_is_computed_index(k) for k in keys) or \
+            not all(type(k) in (int, slice) or _is_computed_index(k) for k in keys):
+        return None
+    out, dim = x, 0
+    for k in keys:
+        if type(k) is slice:
+            if k != slice(None):
+                out = out[(slice(None),) * dim + (k,)]
+            dim += 1
+        elif type(k) is int:
+            out = out.select(dim, k)
+        else:
+            k = torch.where(torch.lt(k, 0), k + out.shape[dim], k)
+            out = out.index_select(dim, k.reshape(1)).squeeze(dim)
+    return out
 
 
 def _getitem_plan(call: _Call):
@@ -1028,13 +1061,17 @@ def _tensor_getitem(x, key):
     embedding call, whatever the rows); an expression goes to `getitem`."""
     if isinstance(x, Expression):
         return x[key]
+    keys = _held_ints(key if isinstance(key, tuple) else (key,))
+    selected = _by_computed_indices(x, keys)
+    if selected is not None:
+        return selected
+    key = keys if isinstance(key, tuple) else keys[0]
     if not (x.requires_grad and x.is_leaf and x.is_floating_point() and x.dim() >= 1):
         return NotImplemented
     if type(key) is int and x.dim() == 2:
         row = ops.lookup(x, key)
         row.graph.note_row_view(row.id, x, key)
         return row
-    keys = key if isinstance(key, tuple) else (key,)
     if all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
         # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
         g = current_graph()
