@@ -13,6 +13,8 @@ outputs) and random sampling.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -583,6 +585,39 @@ class Distillation(nn.Module):
                 + F.kl_div(F.log_softmax(self.student(x), -1), soft, reduction="batchmean"))
 
 
+class EncoderLayer(nn.Module):
+    """A transformer encoder layer over one sentence, written by hand: multi-head attention as
+    `softmax(q @ k.transpose(-2, -1) / sqrt(d))` on [heads, n, d] tensors, LayerNorm, GELU,
+    residuals."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ff1, self.ff2, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        n, d = x.shape
+        q, k, v = (t.view(n, self.heads, -1).transpose(0, 1) for t in self.qkv(x).chunk(3, -1))
+        attention = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
+        x = self.norm1(x + self.o((attention @ v).transpose(0, 1).reshape(n, d)))
+        x = self.norm2(x + self.ff2(F.gelu(self.ff1(x))))
+        return self.out(x.mean(0, keepdim=True))
+
+
+class Orthogonal(nn.Module):
+    """A linear layer under torch's orthogonal parametrization (its weight computed from
+    `X - X.mH` by a matrix exponential at each read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x))).sum(0, keepdim=True)
+
+
 def xy_rows():
     return [tuple(draw(seed, (1, 4), (1, 4))) for seed in range(5)]
 
@@ -651,6 +686,11 @@ ZOO = {
                                         list(enumerate(draw(2, *[(1, 4)] * 5)))),
     "distillation-soft-targets": entry(Distillation, lambda m, x: m(x), draw(3, *[(1, 4)] * 5)),
     "recurrences-and-writes": entry(Recurrences, lambda m, x: m(x), sequences()),
+    "hand-written-multi-head-attention": entry(
+        EncoderLayer, classify, list(enumerate(draw(3, (3, 8), (5, 8), (2, 8), (4, 8), (3, 8)))),
+        fewer=2),
+    "orthogonal-parametrization": entry(Orthogonal, classify, list(enumerate(sequences())),
+                                        fewer=2),
 }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import operator
 import threading
 import warnings
 import types
@@ -861,6 +862,8 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     """An in-place operation: an error on an expression (it has no storage), recorded out of
     place for a plain tensor written with expressions, which then stands for its new value."""
     target = args[0]
+    if isinstance(target, Expression) and name.startswith("__i"):
+        return _write_into_expression(func, name, target, args[1])
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
                         f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
@@ -887,6 +890,71 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+def _write_into_expression(func: Callable, name: str, target: Expression, other: Any) -> Any:
+    """`h += x` (and `-=`, `*=`, ...) on an expression: its handle is pointed at the new value,
+    so every reference to it (`a = h`, a list holding h) sees the write, as eagerly. What
+    eagerly shares h's storage through views (`h[0]`, `h.view(...)`, `h.detach()`, or the
+    tensor h views) keeps the old value here: it is marked, and a read of it after the write
+    raises (`Graph._refuse_stale_reads`)."""
+    g = target.graph
+    # (through the operator itself: a scalar `loss += l` stays one esum of every term)
+    new = _as_written_into(func, target, _OUT_OF_PLACE[name](target, other))
+    if not isinstance(new, Expression) or new.graph is not g:
+        raise TypeError(f"{_name(func)}: the value written into an expression of shape "
+                        f"{tuple(target.shape)} is not of its graph")
+    family = _sharing_storage(g, target.id)
+    _core.rebind(target, new)
+    what = f"{_name(func)} (shape {tuple(target.shape)})"
+    for node in family:
+        g.overwritten[node] = (new.id, what)
+    return target
+
+
+# `__iadd__` -> operator.add, ...: the out-of-place operators of the augmented assignments
+_OUT_OF_PLACE = {f"__i{op.rstrip('_')}__": getattr(operator, op) for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor")}
+
+# Functions whose result is, eagerly, a view of their first operand (writing one writes the
+# other), by name: torch's own, and the batched kernels that the capture records them as.
+_VIEW_FUNCTIONS = frozenset("""view view_as reshape reshape_as squeeze unsqueeze flatten
+    unflatten ravel t transpose swapaxes swapdims permute movedim moveaxis expand expand_as select
+    narrow chunk split split_with_sizes tensor_split unbind diagonal as_strided detach
+    __getitem__ unfold real imag alias contiguous _getitem_batched _transpose_batched _detached
+    _reshape_rows _narrow""".split())
+_VIEW_OPS = frozenset({"reshape", "pick", "slice", "transpose"})  # flybatch ops of those
+
+
+def _is_view(g: Graph, node: int) -> bool:
+    op = g.op_of(node)
+    if op.name in _VIEW_OPS:
+        return True
+    if op is not DIRECT and op.name != "torch":
+        return False
+    fn = g.attr_of(node)[0]
+    if isinstance(fn, _Bound):
+        fn = fn.args[0] if fn.fn is _apply_template else fn.fn
+    return getattr(fn, "__name__", "") in _VIEW_FUNCTIONS
+
+
+def _sharing_storage(g: Graph, node: int) -> list[int]:
+    """The nodes that eagerly share `node`'s storage: up through the views it was taken by to
+    the tensor viewed, then down through every view taken of that (`node` included)."""
+    while _is_view(g, node) and g.args_of(node):
+        node = g.args_of(node)[0]
+    arg_ptr = np.frombuffer(g.view("arg_ptr"), dtype=np.int64)
+    arg_flat = np.frombuffer(g.view("arg_flat"), dtype=np.int64)
+    family, todo = [node], [node]
+    while todo:
+        base = todo.pop()
+        start = arg_ptr[base + 1]
+        for position in np.nonzero(arg_flat[start:] == base)[0]:
+            reader = int(np.searchsorted(arg_ptr, position + start, side="right")) - 1
+            if reader not in family and g.args_of(reader)[:1] == (base,) and _is_view(g, reader):
+                family.append(reader)
+                todo.append(reader)
+    return family
 
 
 # In-place writes that replace the values, by what they write.
@@ -2041,9 +2109,41 @@ _PROPERTIES = {
     "T": property(lambda self: torch_call(T.permute, (self, tuple(range(len(self.shape)))[::-1]),
                                           {})),
     "mT": property(lambda self: torch_call(T.transpose, (self, -2, -1), {})),
+    # (the conjugate transposes of a real expression: the graph's dtypes are real)
+    "mH": property(lambda self: torch_call(T.transpose, (self, -2, -1), {})),
+    "H": property(lambda self: torch_call(T.adjoint, (self,), {}) if len(self.shape) == 2
+                  else _refuse_h(self)),
+    "grad_fn": property(lambda self: _BATCHED_GRAD_FN if _requires_grad(self) else None),
     "is_cuda": property(lambda self: (self.graph.device or torch.device("cpu")).type == "cuda"),
     "layout": property(lambda self: torch.strided),
 }
+
+
+def _refuse_h(self):
+    raise RuntimeError(f"tensor.H is only supported on matrices (2-D tensors); the expression "
+                       f"has shape {tuple(self.shape)}")
+
+
+class _BatchedGradFn:
+    """An expression's `grad_fn` where gradient flows into it (code tests `x.grad_fn is None`):
+    its backward runs batched with other instances', never as a node of its own."""
+
+    def name(self) -> str:
+        return "FlybatchBatchedBackward"
+
+    def __repr__(self) -> str:
+        return f"<{self.name()}>"
+
+
+_BATCHED_GRAD_FN = _BatchedGradFn()
+
+
+def _refuse_setitem(self, key, value) -> None:
+    raise TypeError(f"item assignment into a flybatch expression (x[{key!r}] = ... on shape "
+                    f"{tuple(self.shape)}) is not supported: an expression has no storage. "
+                    "Build the value out of place (torch.cat, torch.where, masked_fill, "
+                    "scatter), or write into a plain tensor (`out = torch.zeros(n, H)`, then "
+                    "`out[i] = h`)")
 
 
 def _described_like_a_tensor(name: str) -> property:
@@ -2070,8 +2170,13 @@ _OWN = {
     "__pow__": _method(T.__pow__), "__rpow__": _method(T.__rpow__),
     "__mod__": _method(T.__mod__), "__floordiv__": _method(T.__floordiv__),
     "__abs__": _method(T.__abs__), "__invert__": _method(T.__invert__),
-    "__and__": _method(T.__and__), "__or__": _method(T.__or__),
+    "__and__": _method(T.__and__), "__or__": _method(T.__or__), "__xor__": _method(T.__xor__),
+    "__pos__": _method(T.__pos__), "__reversed__": _method(T.__reversed__),
+    "__setitem__": _refuse_setitem,
 }
+# `h += x`...: the write, seen through every reference to h (`_write_into_expression`)
+_OWN.update({name: (lambda func: lambda self, other: torch_call(func, (self, other), {}))(
+    getattr(T, name)) for name in _OUT_OF_PLACE})
 # Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
 # (a Python int, as always), the operators the C type implements, comparisons that return bool.
 _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",

@@ -265,6 +265,11 @@ class Graph(_core.Store):
         # Plain tensors written in place with expressions by captured torch code
         # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
         self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
+        # Nodes that share storage, eagerly, with an expression written in place (`h += x`
+        # rebinds h's handle, capture.py): its old node and the views around it. Eagerly they
+        # would show the write, so reading one after it raises (`_refuse_stale_reads`):
+        # node -> (the last node of the write, what was written).
+        self.overwritten: dict[int, tuple[int, str]] = {}
         # The node store is the compiled base class, with this graph's signature table
         # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
         # `stats()` can still describe the launches).
@@ -508,6 +513,34 @@ class Graph(_core.Store):
                 "the old values, where eagerly it would show the write. Take the view after "
                 "the write (e.g. index the tensor where the view is used)")
 
+    def _refuse_stale_reads(self, start: int, end: int, exprs: Sequence[Expression]) -> None:
+        """Before a forward: no node made after an in-place write into an expression reads
+        what eagerly shares storage with it (a view taken before the write, or the tensor
+        viewed when the write went through a view), and no such node's value is asked for:
+        eagerly they would show the write, here they hold the old values."""
+        arg_ptr = np.frombuffer(self.view("arg_ptr"), dtype=np.int64)
+        arg_flat = np.frombuffer(self.view("arg_flat"), dtype=np.int64)
+        stale = np.fromiter(self.overwritten, dtype=np.int64)
+        first = max(start, min(point for point, _ in self.overwritten.values()) + 1)
+        readers = arg_flat[arg_ptr[first]:arg_ptr[end]]
+        hits = np.nonzero(np.isin(readers, stale))[0]
+        for position in hits:
+            reader = int(np.searchsorted(arg_ptr, position + arg_ptr[first], side="right")) - 1
+            node = int(readers[position])
+            if reader > self.overwritten[node][0]:
+                self._stale(node, f"node {reader} ({self.op_of(reader).name})")
+        for e in exprs:
+            if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
+                self._stale(e.id, "a value request")
+
+    def _stale(self, node: int, reader: str) -> None:
+        _, written = self.overwritten[node]
+        raise RuntimeError(
+            f"{reader} reads an expression of shape {self.shape_of(node)} that shares storage, "
+            f"eagerly, with an expression later written in place by {written}: eagerly it "
+            "would show the write, here it holds the old values. Take the view after the write, "
+            "or write out of place (`x = x + y` for `x += y`)")
+
     def _lookup_tag(self, table: torch.Tensor) -> tuple:
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
         keeps it until close)."""
@@ -538,6 +571,10 @@ class Graph(_core.Store):
         """
         self._check_open()
         start, end = self.n_done, self.n_nodes
+        if self.overwritten:
+            if exprs is not None and not isinstance(exprs, (list, tuple)):
+                exprs = list(exprs)
+            self._refuse_stale_reads(start, end, exprs or ())
         if end > start:
             now = self._count_build()
             self._grow_positions(end)
