@@ -896,19 +896,16 @@ def _write_into_expression(func: Callable, name: str, target: Expression, other:
     """`h += x` (and `-=`, `*=`, ...) on an expression: its handle is pointed at the new value,
     so every reference to it (`a = h`, a list holding h) sees the write, as eagerly. What
     eagerly shares h's storage through views (`h[0]`, `h.view(...)`, `h.detach()`, or the
-    tensor h views) keeps the old value here: it is marked, and a read of it after the write
-    raises (`Graph._refuse_stale_reads`)."""
-    g = target.graph
+    tensor h views) keeps the old value here: a read of it after the write raises, checked
+    before the next forward (`Graph._refuse_stale_reads`, `sharing_storage` below)."""
+    g, old, begin = target.graph, target.id, target.graph.n_nodes
     # (through the operator itself: a scalar `loss += l` stays one esum of every term)
     new = _as_written_into(func, target, _OUT_OF_PLACE[name](target, other))
     if not isinstance(new, Expression) or new.graph is not g:
         raise TypeError(f"{_name(func)}: the value written into an expression of shape "
                         f"{tuple(target.shape)} is not of its graph")
-    family = _sharing_storage(g, target.id)
     _core.rebind(target, new)
-    what = f"{_name(func)} (shape {tuple(target.shape)})"
-    for node in family:
-        g.overwritten[node] = (new.id, what)
+    g.writes.append((old, begin, new.id, func))
     return target
 
 
@@ -930,7 +927,7 @@ def _is_view(g: Graph, node: int) -> bool:
     op = g.op_of(node)
     if op.name in _VIEW_OPS:
         return True
-    if op is not DIRECT and op.name != "torch":
+    if op.name != "torch":
         return False
     fn = g.attr_of(node)[0]
     if isinstance(fn, _Bound):
@@ -938,23 +935,39 @@ def _is_view(g: Graph, node: int) -> bool:
     return getattr(fn, "__name__", "") in _VIEW_FUNCTIONS
 
 
-def _sharing_storage(g: Graph, node: int) -> list[int]:
-    """The nodes that eagerly share `node`'s storage: up through the views it was taken by to
-    the tensor viewed, then down through every view taken of that (`node` included)."""
-    while _is_view(g, node) and g.args_of(node):
-        node = g.args_of(node)[0]
+def sharing_storage(g: Graph, writes: list) -> dict[int, tuple[int, str]]:
+    """For the in-place writes `(old node, first node of the write, its last node, function)`:
+    the nodes that eagerly share each written node's storage (up through the views it was
+    taken by to the tensor viewed, then down through the views taken of that before the write,
+    the old node included) -> (the write's last node, what it wrote). A few array passes for
+    all the writes; only nodes of an op that can be a view are looked at one by one."""
+    codes = np.frombuffer(g.view("ops"), dtype=np.int32)
     arg_ptr = np.frombuffer(g.view("arg_ptr"), dtype=np.int64)
     arg_flat = np.frombuffer(g.view("arg_flat"), dtype=np.int64)
-    family, todo = [node], [node]
-    while todo:
-        base = todo.pop()
-        start = arg_ptr[base + 1]
-        for position in np.nonzero(arg_flat[start:] == base)[0]:
-            reader = int(np.searchsorted(arg_ptr, position + start, side="right")) - 1
-            if reader not in family and g.args_of(reader)[:1] == (base,) and _is_view(g, reader):
-                family.append(reader)
-                todo.append(reader)
-    return family
+    maybe_view = np.array([op.name in _VIEW_OPS or op.name == "torch" for op in _core.op_table()])
+    family_of: dict[int, int] = {}  # a node sharing storage -> the index of its write
+    for k, (old, *_) in enumerate(writes):
+        node = old
+        while maybe_view[codes[node]] and _is_view(g, node) and g.args_of(node):
+            node = g.args_of(node)[0]
+        family_of[old] = family_of[node] = k
+    todo = np.fromiter(family_of, dtype=np.int64)
+    while len(todo):  # the views of the nodes found so far, taken before their write
+        lo = arg_ptr[todo.min() + 1]
+        found = np.nonzero(np.isin(arg_flat[lo:], todo))[0] + lo
+        readers = np.searchsorted(arg_ptr, found, side="right") - 1
+        candidates = maybe_view[codes[readers]]
+        more = []
+        for reader, position in zip(readers[candidates].tolist(), found[candidates].tolist()):
+            base = int(arg_flat[position])
+            k = family_of[base]
+            if reader not in family_of and reader < writes[k][1] \
+                    and g.args_of(reader)[:1] == (base,) and _is_view(g, reader):
+                family_of[reader] = k
+                more.append(reader)
+        todo = np.array(more, dtype=np.int64)
+    whats = [(point, f"{_name(func)} (shape {g.shape_of(point)})") for _, _, point, func in writes]
+    return {node: whats[k] for node, k in family_of.items()}
 
 
 # In-place writes that replace the values, by what they write.
@@ -2175,8 +2188,8 @@ _OWN = {
     "__setitem__": _refuse_setitem,
 }
 # `h += x`...: the write, seen through every reference to h (`_write_into_expression`)
-_OWN.update({name: (lambda func: lambda self, other: torch_call(func, (self, other), {}))(
-    getattr(T, name)) for name in _OUT_OF_PLACE})
+_OWN.update({name: (lambda func, name: lambda self, other: _write_into_expression(
+    func, name, self, other))(getattr(T, name), name) for name in _OUT_OF_PLACE})
 # Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
 # (a Python int, as always), the operators the C type implements, comparisons that return bool.
 _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",
