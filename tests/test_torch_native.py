@@ -1089,6 +1089,23 @@ def test_an_augmented_assignment_to_an_expression_is_seen_through_every_referenc
     assert batched == pytest.approx(eager, abs=1e-12)
 
 
+def test_an_augmented_assignment_under_no_grad_changes_values_not_the_gradients_path():
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        linear.zero_grad()
+        with context:
+            h = linear(x) * 1.0
+            with torch.no_grad():
+                h += 1
+                h *= 2
+            loss = (h * h).sum()
+            loss.backward()
+            runs.append((loss.item(), linear.weight.grad.clone()))
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-12)
+
+
 def test_a_scalar_loss_accumulated_with_plus_equals_is_one_sum():
     linear, xs = seeded(nn.Linear(3, 1)), draw(0, *[(3,)] * 6)
     with fb.Graph() as g:

@@ -904,6 +904,12 @@ def _write_into_expression(func: Callable, name: str, target: Expression, other:
     if not isinstance(new, Expression) or new.graph is not g:
         raise TypeError(f"{_name(func)}: the value written into an expression of shape "
                         f"{tuple(target.shape)} is not of its graph")
+    if not torch.is_grad_enabled() and _requires_grad(target):
+        # Eagerly a write under no_grad changes the values, not the autograd history: the
+        # gradient still reaches what the expression was computed from, as through identity.
+        change = new - target
+        with torch.enable_grad():
+            new = target + change
     _core.rebind(target, new)
     g.writes.append((old, begin, new.id, func))
     return target
