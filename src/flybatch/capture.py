@@ -26,9 +26,10 @@ right, and draws take the random stream in program order, as eagerly.
 
 The signature of a recorded call is (function, the constants of the call, each operand's shape
 and dtype, and the node of each shared parameter), so calls batch exactly when one kernel can
-compute them all. In-place operations on expressions raise; in-place writes of expressions into
-a plain tensor (`outputs[i] = h`) are recorded out of place and the tensor stands for its new
-value in the calls that follow (`Graph.shadows`).
+compute them all. An augmented assignment to an expression (`h += x`) points its handle at the
+new value (`_write_into_expression`); other in-place operations on expressions raise; in-place
+writes of expressions into a plain tensor (`outputs[i] = h`) are recorded out of place and the
+tensor stands for its new value in the calls that follow (`Graph.shadows`).
 """
 
 from __future__ import annotations
@@ -859,14 +860,16 @@ _INPLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "m
 
 
 def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-    """An in-place operation: an error on an expression (it has no storage), recorded out of
-    place for a plain tensor written with expressions, which then stands for its new value."""
+    """An in-place operation: on an expression, an augmented assignment rebinds it and any
+    other write is an error (it has no storage); recorded out of place for a plain tensor
+    written with expressions, which then stands for its new value."""
     target = args[0]
     if isinstance(target, Expression) and name.startswith("__i"):
         return _write_into_expression(func, name, target, args[1])
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
-                        f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
+                        "storage; use the out-of-place form (e.g. `x = x.clamp(0, 1)` for "
+                        "`x.clamp_(0, 1)`; augmented assignments such as `x += y` work)")
     with torch._C.DisableTorchFunction():
         view = target._base is not None
     if view:  # the write would have to reach the tensor it views, and every other view of it

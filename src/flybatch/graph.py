@@ -538,7 +538,9 @@ class Graph(_core.Store):
             if late.any():
                 k = int(np.argmax(late))
                 reader = int(readers[k])
-                self._stale(int(reads[hits[k]]), f"node {reader} ({self.op_of(reader).name})")
+                where = (self.origins or {}).get(reader) or \
+                    "(fb.Graph(debug=True) names the line)"
+                self._stale(int(reads[hits[k]]), f"a {self.op_of(reader).name} node {where}")
         for e in exprs:
             if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
                 self._stale(e.id, "a value request")
