@@ -903,10 +903,13 @@ def _write_into_expression(func: Callable, name: str, target: Expression, other:
     before the next forward (`Graph._refuse_stale_reads`, `sharing_storage` below)."""
     g, old, begin = target.graph, target.id, target.graph.n_nodes
     # (through the operator itself: a scalar `loss += l` stays one esum of every term)
-    new = _as_written_into(func, target, _OUT_OF_PLACE[name](target, other))
+    new = _OUT_OF_PLACE[name](target, other)
     if not isinstance(new, Expression) or new.graph is not g:
         raise TypeError(f"{_name(func)}: the value written into an expression of shape "
                         f"{tuple(target.shape)} is not of its graph")
+    dtypes = g.node_dtypes  # (those of nodes not of the graph's dtype: the same is common)
+    if new.shape != target.shape or dtypes.get(new.id) is not dtypes.get(old):
+        new = _as_written_into(func, target, new)
     if not torch.is_grad_enabled() and _requires_grad(target):
         # Eagerly a write under no_grad changes the values, not the autograd history: the
         # gradient still reaches what the expression was computed from, as through identity.
@@ -948,18 +951,20 @@ def sharing_storage(g: Graph, writes: list) -> dict[int, tuple[int, str]]:
     """For the in-place writes `(old node, first node of the write, its last node, function)`:
     the nodes that eagerly share each written node's storage (up through the views it was
     taken by to the tensor viewed, then down through the views taken of that before the write,
-    the old node included) -> (the write's last node, what it wrote). A few array passes for
+    the old node included) -> (the write's last node, its function). A few array passes for
     all the writes; only nodes of an op that can be a view are looked at one by one."""
     codes = np.frombuffer(g.view("ops"), dtype=np.int32)
     arg_ptr = np.frombuffer(g.view("arg_ptr"), dtype=np.int64)
     arg_flat = np.frombuffer(g.view("arg_flat"), dtype=np.int64)
     maybe_view = np.array([op.name in _VIEW_OPS or op.name == "torch" for op in _core.op_table()])
     family_of: dict[int, int] = {}  # a node sharing storage -> the index of its write
-    for k, (old, *_) in enumerate(writes):
-        node = old
-        while maybe_view[codes[node]] and _is_view(g, node) and g.args_of(node):
+    olds = [old for old, *_ in writes]
+    family_of.update(zip(olds, range(len(olds))))
+    for k in np.nonzero(maybe_view[codes[olds]])[0].tolist():  # up from a written view
+        node = olds[k]
+        while _is_view(g, node) and g.args_of(node):
             node = g.args_of(node)[0]
-        family_of[old] = family_of[node] = k
+        family_of[node] = k
     todo = np.fromiter(family_of, dtype=np.int64)
     while len(todo):  # the views of the nodes found so far, taken before their write
         lo = arg_ptr[todo.min() + 1]
@@ -975,8 +980,7 @@ def sharing_storage(g: Graph, writes: list) -> dict[int, tuple[int, str]]:
                 family_of[reader] = k
                 more.append(reader)
         todo = np.array(more, dtype=np.int64)
-    whats = [(point, f"{_name(func)} (shape {g.shape_of(point)})") for _, _, point, func in writes]
-    return {node: whats[k] for node, k in family_of.items()}
+    return {node: (writes[k][2], writes[k][3]) for node, k in family_of.items()}
 
 
 # In-place writes that replace the values, by what they write.

@@ -269,9 +269,9 @@ class Graph(_core.Store):
         # node, first node of the write, its last node, function), and, worked out before the
         # next forward, the nodes that eagerly share storage with what was written (its old
         # node and the views around it), which would show the write: reading one after it
-        # raises (`_refuse_stale_reads`). node -> (the write's last node, what was written).
+        # raises (`_refuse_stale_reads`). node -> (the write's last node, its function).
         self.writes: list[tuple[int, int, int, Callable]] = []
-        self.overwritten: dict[int, tuple[int, str]] = {}
+        self.overwritten: dict[int, tuple[int, Callable]] = {}
         self._stale_arrays: tuple[np.ndarray, np.ndarray] | None = None  # sorted nodes, points
         # The node store is the compiled base class, with this graph's signature table
         # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
@@ -546,12 +546,13 @@ class Graph(_core.Store):
                 self._stale(e.id, "a value request")
 
     def _stale(self, node: int, reader: str) -> None:
-        _, written = self.overwritten[node]
+        point, func = self.overwritten[node]
+        written = f"Tensor.{func.__name__} (shape {self.shape_of(point)})"
         raise RuntimeError(
             f"{reader} reads an expression of shape {self.shape_of(node)} that shares storage, "
             f"eagerly, with an expression later written in place by {written}: eagerly it "
-            "would show the write, here it holds the old values. Take the view after the write, "
-            "or write out of place (`x = x + y` for `x += y`)")
+            "would show the write, here it holds the old values. Take the view again after the "
+            "write, or write out of place (`h = h + x` for `h += x`)")
 
     def _lookup_tag(self, table: torch.Tensor) -> tuple:
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
