@@ -521,15 +521,23 @@ struct Scan {
     return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
   }
 
-  bool any(PyObject* x) {  // an argument: a tensor, or a list / tuple holding tensors
+  // An argument: a tensor, or a list / tuple holding tensors. Expressions in it, which torch
+  // does not look for inside the data of a factory (`torch.tensor([score_a, score_b])`: no
+  // overloaded types), involve the graph too, nested a few lists deep.
+  bool any(PyObject* x, int depth = 0) {
     if (is_tensor(x)) return involves(x);
+    if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_expression_type))) return true;
     if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {
       // (a list may change under a Python call made here: index it afresh each time)
       for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); ++i) {
         PyObject* y = PySequence_Fast_GET_ITEM(x, i);
         Py_INCREF(y);
         Owned held{y};
-        if (is_tensor(y) && involves(y)) return true;
+        if (is_tensor(y) ? involves(y)
+                         : PyObject_TypeCheck(y, reinterpret_cast<PyTypeObject*>(g_expression_type))
+                               || (depth < 3 && (PyList_CheckExact(y) || PyTuple_CheckExact(y))
+                                   && any(y, depth + 1)))
+          return true;
       }
     }
     return false;

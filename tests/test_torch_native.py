@@ -16,6 +16,7 @@ import re
 import warnings
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -1187,6 +1188,44 @@ def test_expressions_answer_the_tensor_surface_as_tensors_do(case):
     linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
     eager, batched = _eager_and_batched(lambda: TENSOR_SURFACE[case](linear(x)))
     assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_torch_tensor_of_expressions_is_a_new_tensor_of_their_values():
+    """`torch.tensor([a, b])` of scalar scores (nested too): their values, without gradient
+    history, as eagerly; `torch.as_tensor(x)` is x itself; `np.array(x)` its values."""
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+    with torch.no_grad():
+        want = linear(x)
+    with fb.Graph():
+        h = linear(x)
+        flat, nested = torch.tensor([h[0], h[2]]), torch.tensor([[h[0], 1.0], [h[1], h[2]]])
+        assert type(flat) is torch.Tensor and not flat.requires_grad
+        torch.testing.assert_close(flat, want[[0, 2]], rtol=0, atol=0)
+        torch.testing.assert_close(nested, torch.stack([torch.stack([want[0], torch.tensor(
+            1.0, dtype=torch.float64)]), want[1:]]), rtol=0, atol=0)
+        assert torch.as_tensor(h) is h
+        np.testing.assert_array_equal(np.array(h), want.numpy())
+
+
+def test_a_one_argument_where_of_an_expression_runs_on_its_values():
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def positives():
+        h = linear(x)
+        return h[torch.where(h > 0)[0]].sum() + h.sum()
+
+    with pytest.warns(UserWarning, match="torch.where .*depends on their values"):
+        eager, batched = _eager_and_batched(positives)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_making_an_expression_a_leaf_that_requires_grad_raises_naming_it():
+    with fb.Graph():
+        x = fb.input(torch.randn(3)) * 2.0
+        assert x.detach().requires_grad_(False).shape == (3,)
+        with pytest.raises(TypeError, match=r"Tensor\.requires_grad_\(True\) on a flybatch "
+                                            r"expression of shape \(3,\)"):
+            x.detach().requires_grad_()
 
 
 def test_a_plain_tensor_the_graph_wrote_into_reads_its_new_values():

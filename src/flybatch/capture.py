@@ -696,7 +696,10 @@ def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
     key = (handler, call.key, call.operands, call.params)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build(call)
+        try:
+            plan = build(call)
+        except _ValueDependentShape:  # (`torch.where(mask)`): the generic path, on the values
+            plan = NotImplemented
         if type(plan) is tuple:
             plan = _Plan.direct(call, *plan)
         _PLANS[key] = plan
@@ -739,10 +742,15 @@ def _dim(d: int, ndim: int, op: str) -> int:
     return (d % max(ndim, 1)) + 1
 
 
+class _ValueDependentShape(ShapeError):
+    """A handler's function whose output shape depends on the values for these operands: the
+    call is declined (`_plan_of`), and runs on the values as a generic one does."""
+
+
 def _meta_of(func: Callable, call: _Call):
     structure = _meta_outputs(func, call)
     if structure is _DataDependent:
-        raise ShapeError(f"{_name(func)}: output shape depends on values")
+        raise _ValueDependentShape(f"{_name(func)}: output shape depends on values")
     if structure is _Seeded:  # (the functions mapped onto batched kernels draw nothing)
         raise TypeError(f"{_name(func)} draws random numbers: it cannot run as one batched call")
     return structure
@@ -866,6 +874,14 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     target = args[0]
     if isinstance(target, Expression) and name.startswith("__i"):
         return _write_into_expression(func, name, target, args[1])
+    if isinstance(target, Expression) and name == "requires_grad_":
+        wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+        if not wanted and not target.requires_grad:
+            return target
+        raise TypeError(f"{_name(func)}({wanted}) on a flybatch expression of shape "
+                        f"{tuple(target.shape)}: an expression cannot be made a leaf of its own "
+                        "(gradients are computed batched, into parameters and input tensors); "
+                        "make the tensor that requires grad before passing it in")
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
                         "storage; use the out-of-place form (e.g. `x = x.clamp(0, 1)` for "
@@ -2023,6 +2039,27 @@ _register((T.__getitem__,), _tensor_getitem)
 for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.split, 1),
                        (T.unbind, 0), (torch.unbind, 0), (T.split_with_sizes, 1)):
     _register((_func,), _pieces(_func, _dim_at))
+def _tensor_of_values(func: Callable):
+    """`torch.tensor(data)` (or `as_tensor`, `asarray`) of expressions, such as a list of
+    scalar scores: a plain tensor of their values, new and without gradient history, as
+    eagerly: a value request. `as_tensor` / `asarray` of an expression alone is the expression,
+    as they return a tensor itself."""
+    def handler(data, *args, **kwargs):
+        leaves = [x for x in pytree.tree_leaves(data) if isinstance(x, Expression)]
+        if not leaves:
+            return NotImplemented
+        if func is not torch.tensor and isinstance(data, Expression) and not args \
+                and kwargs.get("dtype") in (None, data.dtype) and not kwargs.get("copy"):
+            return data
+        values = {id(x): x.value().detach() for x in leaves}
+        data = pytree.tree_map(lambda x: values[id(x)] if isinstance(x, Expression) else x, data)
+        with torch._C.DisableTorchFunction():
+            return func(data, *args, **kwargs)
+    return handler
+
+
+for _func in (torch.tensor, torch.as_tensor, torch.asarray):
+    _register((_func,), _tensor_of_values(_func))
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _group_norm)
@@ -2199,6 +2236,8 @@ _OWN = {
     "__and__": _method(T.__and__), "__or__": _method(T.__or__), "__xor__": _method(T.__xor__),
     "__pos__": _method(T.__pos__), "__reversed__": _method(T.__reversed__),
     "__setitem__": _refuse_setitem,
+    "__array__": lambda self, dtype=None, copy=None:  # `np.array(x)`: the values, as .numpy()
+        self.value().detach().cpu().numpy().astype(dtype or None, copy=False),
 }
 # `h += x`...: the write, seen through every reference to h (`_write_into_expression`)
 _OWN.update({name: (lambda func, name: lambda self, other: _write_into_expression(
