@@ -1228,6 +1228,28 @@ def test_making_an_expression_a_leaf_that_requires_grad_raises_naming_it():
             x.detach().requires_grad_()
 
 
+def test_out_of_a_recorded_call_is_written_as_eagerly():
+    """`F.normalize(..., out=buf)` writes buf (which then reads as its new value) and returns
+    it; `out=` an expression, which has no storage, raises naming the function."""
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def into_buffer():
+        buf = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            returned = F.normalize(linear(x), dim=0, out=buf)
+            assert returned is buf
+            torch.add(linear(x), 1.0, out=buf)
+        return linear(x).sum() * buf.sum()
+
+    eager, batched = _eager_and_batched(into_buffer)
+    assert batched == pytest.approx(eager, abs=1e-12)
+    with fb.Graph():
+        h = linear(x)
+        with pytest.raises(TypeError, match=r"torch\.add\(out=\.\.\.\) into a flybatch "
+                                            r"expression"):
+            torch.add(linear(x), 1.0, out=h)
+
+
 def test_a_plain_tensor_the_graph_wrote_into_reads_its_new_values():
     # `outputs[t] = h`, the tutorials' way of collecting encoder states: the tensor's own
     # storage does not hold the expressions written into it, so every value read of it (print,

@@ -750,7 +750,23 @@ class CarriedState(nn.Module):
         return h.pow(2).sum() * self.steps.sum()
 
 
-@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState])
+class SpectralNormed(nn.Module):
+    """Spectral normalisation, torch's old hook and its parametrization: each call runs a
+    power iteration written into the module's buffers with `normalize(..., out=u)`."""
+
+    def __init__(self, parametrization: bool):
+        super().__init__()
+        torch.manual_seed(0)  # (the buffers' random start, which `seeded` does not redraw)
+        norm = nn.utils.parametrizations.spectral_norm if parametrization else \
+            nn.utils.spectral_norm
+        self.lin, self.out = norm(nn.Linear(4, 4)), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x))).pow(2).sum()
+
+
+@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState,
+                                  lambda: SpectralNormed(False), lambda: SpectralNormed(True)])
 def test_state_a_model_updates_in_forward_is_eagers_during_and_after_the_graph(make):
     """Each instance reads the buffers as the instances before it left them (every op, `-`
     and `@` too), and after the graph the buffers hold their last values, as eagerly."""

@@ -213,10 +213,25 @@ def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
     if name.endswith("_") and not name.startswith("__") or name == "__setitem__" or \
             name.startswith("__i") and name[3:-2] in _INPLACE_DUNDERS:
         return _inplace(func, name, args, kwargs)
-    if "out" in kwargs and kwargs["out"] is not None:
-        raise TypeError(f"{_name(func)}(out=...) with a flybatch expression: an expression has "
-                        "no storage to write into; use the returned value")
+    if kwargs.get("out") is not None:
+        return _written_out(func, args, kwargs)
     return _generic(func, args, kwargs)
+
+
+def _written_out(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`func(..., out=t)` (spectral norm's power iteration into its buffers): recorded without
+    `out`, then written into t as `t.copy_(result)` is (the plain tensor stands for its new
+    value); returns t, as eagerly."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    result = torch_call(func, args, kwargs)
+    outs, results = (out, result) if isinstance(out, (tuple, list)) else ((out,), (result,))
+    for target, value in zip(outs, results):
+        if isinstance(target, Expression):
+            raise TypeError(f"{_name(func)}(out=...) into a flybatch expression: an expression "
+                            "has no storage to write into; use the returned value")
+        torch_call(T.copy_, (target, value), {})
+    return out
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
