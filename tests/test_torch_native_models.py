@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import flybatch as fb
 from native import assert_same_training, check, draw, run_batched, run_eager, seeded
@@ -618,6 +619,44 @@ class Orthogonal(nn.Module):
         return self.out(torch.relu(self.lin(x))).sum(0, keepdim=True)
 
 
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class RoundThrough(torch.autograd.Function):
+    """Rounding with a straight-through gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class DomainAdversarial(nn.Module):
+    """Custom autograd.Functions, whose own backward must run (a gradient reversal layer into
+    a domain classifier, straight-through rounding), and a reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.label, self.domain = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x)).mean(0, keepdim=True)
+        rounded = RoundThrough.apply(h * 4) / 4
+        scores = torch.utils.checkpoint.checkpoint(self.label, rounded, use_reentrant=True)
+        return scores + self.domain(GradReverse.apply(h, 0.3)).logsumexp(-1).sum()
+
+
 def xy_rows():
     return [tuple(draw(seed, (1, 4), (1, 4))) for seed in range(5)]
 
@@ -689,6 +728,7 @@ ZOO = {
     "hand-written-multi-head-attention": entry(
         EncoderLayer, classify, list(enumerate(draw(3, (3, 8), (5, 8), (2, 8), (4, 8), (3, 8)))),
         fewer=2),
+    "custom-autograd-functions": entry(DomainAdversarial, classify, list(enumerate(sequences()))),
     "orthogonal-parametrization": entry(Orthogonal, classify, list(enumerate(sequences())),
                                         fewer=2),
 }

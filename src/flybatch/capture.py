@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
@@ -190,6 +191,47 @@ def _outside_graphs(get_hooks: Callable) -> Callable:
 
 torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backward_hooks)
 torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
+
+
+# A custom `torch.autograd.Function` (a gradient reversal layer, a straight-through estimator)
+# applied to expressions: torch calls its `forward` directly, which would record the ops inside
+# it as ordinary nodes (under the no_grad that apply runs forward in) and drop its own backward.
+# So `Function.apply` with an expression among its arguments becomes a generic node whose
+# kernel applies the Function to the batch's real tensors (one apply per node where vmap has no
+# rule for it): autograd then runs the Function's own backward, as eagerly.
+_function_apply = torch.autograd.Function.apply.__func__
+
+
+class _Applied:
+    """`cls.apply` of a custom autograd.Function, as the function of a generic node (equal for
+    one class, so that its applications batch)."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.__name__ = self.__qualname__ = f"{cls.__name__}.apply"
+
+    def __call__(self, *args, **kwargs):
+        return _function_apply(self.cls, *args, **kwargs)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Applied) and other.cls is self.cls
+
+    def __hash__(self) -> int:
+        return hash(self.cls)
+
+
+def _apply(cls, *args, **kwargs):
+    given = args + tuple(kwargs.values())
+    if not any(isinstance(a, Expression) or isinstance(a, (list, tuple)) and
+               any(isinstance(b, Expression) for b in a) for a in given):
+        return _function_apply(cls, *args, **kwargs)
+    if cls is torch.utils.checkpoint.CheckpointFunction:  # (use_reentrant=True)
+        run, _, *inputs = args  # the function itself: recomputing is only a memory trade
+        return run(*inputs)
+    return _generic(_Applied(cls), args, kwargs)
+
+
+torch.autograd.Function.apply = classmethod(_apply)
 
 
 # `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
