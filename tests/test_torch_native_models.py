@@ -790,6 +790,21 @@ class CarriedState(nn.Module):
         return h.pow(2).sum() * self.steps.sum()
 
 
+class MovingAverage(nn.Module):
+    """A buffer assigned a new value out of place in forward (an exponential moving average),
+    read back by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x).mean(0)
+        self.average = 0.9 * self.average + 0.1 * y.detach()
+        return ((y - self.average) ** 2).sum()
+
+
 class SpectralNormed(nn.Module):
     """Spectral normalisation, torch's old hook and its parametrization: each call runs a
     power iteration written into the module's buffers with `normalize(..., out=u)`."""
@@ -805,7 +820,7 @@ class SpectralNormed(nn.Module):
         return self.out(torch.relu(self.lin(x))).pow(2).sum()
 
 
-@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState,
+@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState, MovingAverage,
                                   lambda: SpectralNormed(False), lambda: SpectralNormed(True)])
 def test_state_a_model_updates_in_forward_is_eagers_during_and_after_the_graph(make):
     """Each instance reads the buffers as the instances before it left them (every op, `-`

@@ -193,6 +193,29 @@ torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backw
 torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
 
 
+# A module's buffer assigned an expression (`self.running = 0.9 * self.running + 0.1 * y`,
+# torch accepts any object with __torch_function__ as a buffer): the buffer becomes a new plain
+# tensor that stands for the expression (Graph.shadows), as eagerly it becomes the new tensor,
+# and holds its value once the graph closes, instead of an expression that outlives its graph.
+_register_buffer = torch.nn.Module.register_buffer
+
+
+def _register_buffer_of(module: torch.nn.Module, name: str, tensor: Any,
+                        persistent: bool = True) -> None:
+    if isinstance(tensor, Expression):
+        g = tensor.graph
+        g.node_of(tensor)  # (a closed graph's expression raises here)
+        with torch._C.DisableTorchFunction():
+            placeholder = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                      device=g.device or torch.device("cpu"))
+        g.shadows[id(placeholder)] = (placeholder, tensor)
+        tensor = placeholder
+    return _register_buffer(module, name, tensor, persistent)
+
+
+torch.nn.Module.register_buffer = _register_buffer_of
+
+
 # A custom `torch.autograd.Function` (a gradient reversal layer, a straight-through estimator)
 # applied to expressions: torch calls its `forward` directly, which would record the ops inside
 # it as ordinary nodes (under the no_grad that apply runs forward in) and drop its own backward.
