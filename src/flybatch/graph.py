@@ -265,6 +265,14 @@ class Graph(_core.Store):
         # Plain tensors written in place with expressions by captured torch code
         # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
         self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
+        # In-place writes into expressions (`h += x` rebinds h's handle, capture.py): (old
+        # node, first node of the write, its last node, function), and, worked out before the
+        # next forward, the nodes that eagerly share storage with what was written (its old
+        # node and the views around it), which would show the write: reading one after it
+        # raises (`_refuse_stale_reads`). node -> (the write's last node, its function).
+        self.writes: list[tuple[int, int, int, Callable]] = []
+        self.overwritten: dict[int, tuple[int, Callable]] = {}
+        self._stale_arrays: tuple[np.ndarray, np.ndarray] | None = None  # sorted nodes, points
         # The node store is the compiled base class, with this graph's signature table
         # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
         # `stats()` can still describe the launches).
@@ -531,6 +539,44 @@ class Graph(_core.Store):
                 "the old values, where eagerly it would show the write. Take the view after "
                 "the write (e.g. index the tensor where the view is used)")
 
+    def _refuse_stale_reads(self, start: int, end: int, exprs: Sequence[Expression]) -> None:
+        """Before a forward: no node made after an in-place write into an expression reads
+        what eagerly shares storage with it (a view taken before the write, or the tensor
+        viewed when the write went through a view), and no such node's value is asked for:
+        eagerly they would show the write, here they hold the old values."""
+        if self._stale_arrays is None:
+            nodes = np.fromiter(self.overwritten, dtype=np.int64)
+            order = np.argsort(nodes)
+            points = np.fromiter((p for p, _ in self.overwritten.values()), dtype=np.int64)
+            self._stale_arrays = nodes[order], points[order]
+        nodes, points = self._stale_arrays
+        arg_ptr = np.frombuffer(self.view("arg_ptr"), dtype=np.int64)
+        arg_flat = np.frombuffer(self.view("arg_flat"), dtype=np.int64)
+        first = max(start, int(points.min()) + 1)
+        reads = arg_flat[arg_ptr[first]:arg_ptr[end]]
+        hits = np.nonzero(np.isin(reads, nodes))[0]
+        if len(hits):
+            readers = np.searchsorted(arg_ptr, hits + arg_ptr[first], side="right") - 1
+            late = readers > points[np.searchsorted(nodes, reads[hits])]
+            if late.any():
+                k = int(np.argmax(late))
+                reader = int(readers[k])
+                where = (self.origins or {}).get(reader) or \
+                    "(fb.Graph(debug=True) names the line)"
+                self._stale(int(reads[hits[k]]), f"a {self.op_of(reader).name} node {where}")
+        for e in exprs:
+            if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
+                self._stale(e.id, "a value request")
+
+    def _stale(self, node: int, reader: str) -> None:
+        point, func = self.overwritten[node]
+        written = f"Tensor.{func.__name__} (shape {self.shape_of(point)})"
+        raise RuntimeError(
+            f"{reader} reads an expression of shape {self.shape_of(node)} that shares storage, "
+            f"eagerly, with an expression later written in place by {written}: eagerly it "
+            "would show the write, here it holds the old values. Take the view again after the "
+            "write, or write out of place (`h = h + x` for `h += x`)")
+
     def _lookup_tag(self, table: torch.Tensor) -> tuple:
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
         keeps it until close)."""
@@ -561,6 +607,14 @@ class Graph(_core.Store):
         """
         self._check_open()
         start, end = self.n_done, self.n_nodes
+        if self.writes:
+            from .capture import sharing_storage  # (capture.py builds on this module)
+            self.overwritten.update(sharing_storage(self, self.writes))
+            self.writes, self._stale_arrays = [], None
+        if self.overwritten:
+            if exprs is not None and not isinstance(exprs, (list, tuple)):
+                exprs = list(exprs)
+            self._refuse_stale_reads(start, end, exprs or ())
         if end > start:
             now = self._count_build()
             self._grow_positions(end)
