@@ -4,7 +4,7 @@ Each instance runs a random program of ordinary torch code over a pool of tensor
 and `nn` modules (Linear, LSTMCell, GRUCell, LayerNorm, Embedding), Tensor methods and
 operators, `torch.cat` / `stack` / `chunk`, the batch-of-one `[1, n]` row layout, reductions,
 softmaxes, losses, `torch.where`, `topk`, `masked_fill`, `cumsum`, `einsum`, an `nn.LSTM` over a
-short sequence, per-instance matrices, indexing and slicing, `no_grad` regions, `.detach()`, value
+short sequence, per-instance matrices, augmented assignments (`z += y`), indexing and slicing, `no_grad` regions, `.detach()`, value
 peeks that steer branches or pick embedding rows, writes of expressions into plain tensors,
 and (in a plain loop, where the order of draws is the program's) dropout. Inside `fb.Graph`
 under every strategy, and under `map_batched`, it must give eager PyTorch's values and the
@@ -30,7 +30,7 @@ VOCAB = 6
 KINDS = ("linear", "module", "unary", "binary", "cat_chunk", "stack", "row", "softmax",
          "reduce", "index", "slice", "lstm_cell", "gru_cell", "layer_norm", "embedding",
          "branch", "no_grad", "detach", "where", "write", "loss", "dropout", "topk", "masked",
-         "cumsum", "einsum", "normalize", "matrix", "sequence")
+         "cumsum", "einsum", "normalize", "matrix", "sequence", "augmented")
 instruction = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 50))
 program = st.lists(instruction, min_size=1, max_size=8)
 
@@ -133,6 +133,12 @@ def run_program(m: Model, steps, x0: torch.Tensor, dropout: bool) -> list:
         elif kind == "matrix":  # a per-instance matrix: outer product, transpose, product
             outer = torch.outer(x, y)
             pool.append((outer.t() @ x + outer.mean(1)).expand(2, H).sum(0))
+        elif kind == "augmented":  # an in-place update, seen through every reference
+            z = x * 2
+            alias = z
+            z += y
+            z *= 0.5
+            pool.append(alias)
         elif kind == "sequence":  # nn.LSTM over a short sequence of this instance
             out, (h, c) = m.rnn(torch.stack([x, y, x * y]).unsqueeze(1))
             pool.append(out[-1, 0] + h.view(H) * c.view(-1))
