@@ -902,7 +902,8 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 // the first on the tree families. Over 774 graphs (the 15 families at 2-32 instances, seeds
 // 0-3) the ranked agenda with DyNet's fallback (merging or not) and with the critical-path
 // fallback without merging never launched fewer than all of these, so `auto` no longer tries
-// them (the agenda's own schedule stays, for the guarantee).
+// them (the agenda's own schedule stays, for the guarantee). Last, on small forwards, the climb
+// over the winning list schedule's choices that split a group (skip-chain 64 -> 58, the bound).
 Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
                      const std::vector<OpFlags>& flags) {
   if (one_depth_per_signature(nodes, sigs)) return by_key(nodes, sigs, flags, nodes.depth);
