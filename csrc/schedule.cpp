@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 
 namespace flybatch {
@@ -650,14 +651,6 @@ Plan reversed_after_leaves(const Plan& backward, const Nodes& nodes, const Signa
   return plan;
 }
 
-// The choices a list schedule made by priority (not by the all-ready rule): for choice i, the
-// batch it launched. `flips` makes choice i (for each i listed) take the second-best
-// signature instead, which is how `climb` explores neighbouring schedules.
-struct Choices {
-  std::vector<Local> batch;  // per choice: its batch's index in the plan
-  void clear() { batch.clear(); }
-};
-
 // How `list_schedule` ranks the signatures with ready nodes, from the heights (longest path
 // to the end of the forward) of their ready nodes.
 enum class Priority {
@@ -665,6 +658,14 @@ enum class Priority {
   highest_sum,  // the highest ready node's height plus the number of ready nodes
   squares,      // the sum of the squared heights: many long paths, each weighed by its length
 };
+
+// A random-looking word per node (splitmix64); a set of nodes run is fingerprinted by their sum.
+std::uint64_t fingerprint_of(Local v) {
+  std::uint64_t z = static_cast<std::uint64_t>(v) + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
 
 // A list scheduler over signatures rather than (signature, rank) groups: a launch of signature
 // s takes EVERY ready node of s (more computed nodes never delay a later launch, so an optimal
@@ -691,119 +692,207 @@ enum class Priority {
 // Cost: each node joins its signature's ready list once and pushes one heap entry (an entry
 // whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes).
 //
-// `flips` (ascending) and `choices`: see Choices below; forward schedules only.
+// The state of a run is a copyable object, so that `climb` can try another choice from the
+// middle of a run without repeating its beginning.
+class ListRun {
+ public:
+  ListRun(const Nodes& nodes, const Groups& groups, const Edges& edges, const Signatures& sigs,
+          const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
+          Priority priority, bool backward)
+      : nodes_(&nodes), edges_(&edges), sigs_(&sigs), flags_(&flags), height_(&height),
+        priority_(priority), backward_(backward), waiting_(edges.inputs),
+        left_(sigs.count(), 0), slots_(nodes.n), begin_(sigs.count(), 0),
+        filled_(sigs.count(), 0), taken_(sigs.count(), 0), top_(sigs.count(), -1),
+        key_(sigs.count(), 0.0), is_dirty_(sigs.count(), false),
+        launches_left_(groups, sigs, flags, /*by_rank=*/!backward) {
+    const Local n = nodes.n;
+    if (backward)
+      for (Local v = 0; v < n; ++v)
+        waiting_[v] = static_cast<Local>(edges.consumers_ptr[v + 1] - edges.consumers_ptr[v]);
+    for (Local v = 0; v < n; ++v) ++left_[sigs.of[v]];
+    std::partial_sum(left_.begin(), left_.end() - 1, begin_.begin() + 1);
+    plan.order.reserve(n);
+    for (Local v = 0; v < n; ++v)
+      if (waiting_[v] == 0 && runs(v)) make_ready(v);
+  }
+
+  Plan plan;
+  i64 choices = 0;                 // picks made by priority so far
+  std::uint64_t fingerprint = 0;   // of the nodes run (see Steering)
+
+  // A signature all of whose nodes not yet run are ready, or -1.
+  std::int32_t all_ready() {
+    while (!safe_.empty()) {
+      const std::int32_t t = safe_.back();
+      safe_.pop_back();
+      if (filled_[t] > taken_[t]) return t;  // else already run
+    }
+    return -1;
+  }
+
+  // The signature `priority` ranks first (with `second`, second when there is one), or -1
+  // when no node is ready. Counts a choice.
+  std::int32_t by_priority(bool second) {
+    for (std::int32_t t : dirty_) {
+      is_dirty_[t] = false;
+      if (filled_[t] > taken_[t]) by_key_.emplace(key_[t], -t);
+    }
+    dirty_.clear();
+    std::int32_t s = pop_valid();
+    if (s < 0) return s;
+    if (second)
+      if (const std::int32_t other = pop_valid(); other >= 0) {
+        by_key_.emplace(key_[s], -s);  // the best waits for a later pick
+        s = other;
+      }
+    ++choices;
+    return s;
+  }
+
+  // Runs every ready node of s as one batch; returns the launches still needed at least
+  // (LaunchesLeft).
+  i64 launch(std::int32_t s) {
+    Local* batch = &slots_[begin_[s] + taken_[s]];
+    const auto size = static_cast<std::size_t>(filled_[s] - taken_[s]);
+    taken_[s] = filled_[s];
+    left_[s] -= static_cast<Local>(size);
+    key_[s] = 0.0;
+    top_[s] = -1;
+    if (!std::is_sorted(batch, batch + size)) std::sort(batch, batch + size);
+    plan.add(batch, size, !(*flags_)[s].leaf);
+    launches_left_.ran(batch, size);
+    for (std::size_t i = 0; i < size; ++i) {
+      fingerprint += fingerprint_of(batch[i]);
+      if (backward_)
+        for_each_input(*nodes_, batch[i], [&](Local u) {
+          if (--waiting_[u] == 0 && runs(u)) make_ready(u);
+        });
+      else
+        for (i64 e = edges_->consumers_ptr[batch[i]]; e < edges_->consumers_ptr[batch[i] + 1]; ++e)
+          if (--waiting_[edges_->consumers[e]] == 0) make_ready(edges_->consumers[e]);
+    }
+    return launches_left_.value();
+  }
+
+ private:
+  bool runs(Local v) const { return !backward_ || !(*flags_)[sigs_->of[v]].leaf; }
+
+  void make_ready(Local v) {
+    const std::int32_t s = sigs_->of[v];
+    slots_[begin_[s] + filled_[s]++] = v;
+    const double h = (*height_)[v];
+    top_[s] = std::max(top_[s], (*height_)[v]);
+    const double count = static_cast<double>(filled_[s] - taken_[s]);
+    switch (priority_) {
+      case Priority::highest:
+        key_[s] = top_[s] * (static_cast<double>(nodes_->n) + 1) + count;
+        break;
+      case Priority::highest_sum: key_[s] = top_[s] + count; break;
+      case Priority::squares: key_[s] += h * h + 1; break;
+    }
+    if (filled_[s] - taken_[s] == left_[s]) {
+      safe_.push_back(s);  // every node of s not yet run is ready
+    } else if (!is_dirty_[s]) {
+      is_dirty_[s] = true;
+      dirty_.push_back(s);
+    }
+  }
+
+  std::int32_t pop_valid() {
+    while (!by_key_.empty()) {
+      const auto [k, minus] = by_key_.top();
+      by_key_.pop();
+      if (filled_[-minus] > taken_[-minus] && k == key_[-minus]) return -minus;
+    }
+    return -1;
+  }
+
+  const Nodes* nodes_;
+  const Edges* edges_;
+  const Signatures* sigs_;
+  const std::vector<OpFlags>* flags_;
+  const std::vector<std::int32_t>* height_;
+  Priority priority_;
+  bool backward_;
+  std::vector<Local> waiting_;  // per node: inputs (consumers, backward) not yet run
+  // Per signature: its nodes not yet run, its ready nodes (a contiguous range of `slots_` per
+  // signature, filled in the order they become ready: begin + taken .. begin + filled), the
+  // height of its highest ready node and its key.
+  std::vector<Local> left_, slots_;
+  std::vector<i64> begin_, filled_, taken_;
+  std::vector<std::int32_t> top_;
+  std::vector<double> key_;
+  // Signatures whose key changed since the last pick are pushed once, at the next pick: an
+  // entry per launch and signature, not per node. An entry whose key is stale is skipped.
+  std::vector<std::int32_t> dirty_, safe_;
+  std::vector<bool> is_dirty_;
+  std::priority_queue<std::pair<double, std::int32_t>> by_key_;  // (key, -signature)
+  LaunchesLeft launches_left_;
+};
+
+// What `climb` steers and reads of a run (forward runs only). `flips` (ascending): choices
+// (picks by priority, counted from the run's start) that take the second-best signature.
+// `choices`: per choice, the index of its batch in the plan. `trail`: fingerprints of sets of
+// nodes run by earlier complete runs past their last flip, each with the launches those runs
+// still made from there. Past its last flip, a run's next steps depend only on the set of
+// nodes run (up to the order of signatures that became all-ready together), so a run that
+// meets a fingerprint of the trail ends with its launches so far plus the trail's: it stops
+// once that cannot beat the limit.
+struct Steering {
+  std::vector<i64> flips;
+  std::vector<Local> choices;
+  std::unordered_map<std::uint64_t, i64> trail;
+};
+
+// Runs `run` to its end (or its limit, as list_schedule's), as `steer` says; a complete run
+// past its last flip adds its fingerprints to the trail.
+Plan finish(ListRun run, i64 limit, Steering* steer = nullptr) {
+  std::vector<std::pair<std::uint64_t, i64>> passed;  // fingerprint, launches so far
+  std::size_t next_flip = 0;
+  if (steer)
+    while (next_flip < steer->flips.size() && steer->flips[next_flip] < run.choices) ++next_flip;
+  while (true) {
+    std::int32_t s = run.all_ready();
+    if (s < 0) {
+      const bool flip = steer && next_flip < steer->flips.size() &&
+                        steer->flips[next_flip] == run.choices;
+      next_flip += flip;
+      if (steer) steer->choices.push_back(static_cast<Local>(run.plan.ends.size()));
+      s = run.by_priority(flip);
+      if (s < 0) {
+        if (steer) steer->choices.pop_back();
+        break;  // nothing ready: all nodes run
+      }
+    }
+    if (run.plan.launches + run.launch(s) >= limit) {
+      run.plan.launches = limit;
+      return std::move(run.plan);
+    }
+    if (steer && next_flip == steer->flips.size()) {
+      const auto met = steer->trail.find(run.fingerprint);
+      if (met != steer->trail.end() && run.plan.launches + met->second >= limit) {
+        run.plan.launches = limit;  // as over the limit
+        return std::move(run.plan);
+      }
+      passed.emplace_back(run.fingerprint, run.plan.launches);
+    }
+  }
+  if (steer)
+    for (const auto& [print, launches] : passed) {
+      const auto [it, fresh] = steer->trail.emplace(print, run.plan.launches - launches);
+      if (!fresh) it->second = std::min(it->second, run.plan.launches - launches);
+    }
+  return std::move(run.plan);
+}
+
 Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
                    const Signatures& sigs, const std::vector<OpFlags>& flags,
                    const std::vector<std::int32_t>& height, Priority priority,
-                   bool backward = false, i64 limit = INT64_MAX,
-                   const std::vector<i64>* flips = nullptr, Choices* choices = nullptr) {
-  const Local n = nodes.n;
-  const auto n_sigs = static_cast<std::int32_t>(sigs.count());
-  std::vector<Local> waiting = edges.inputs;
-  if (backward)
-    for (Local v = 0; v < n; ++v)
-      waiting[v] = static_cast<Local>(edges.consumers_ptr[v + 1] - edges.consumers_ptr[v]);
-  auto runs = [&](Local v) { return !backward || !flags[sigs.of[v]].leaf; };
-  // Per signature: its nodes not yet run, its ready nodes (a contiguous range of `slots` per
-  // signature, filled in the order they become ready: begin + taken .. begin + filled), the
-  // height of its highest ready node and its key.
-  std::vector<Local> left(n_sigs, 0);
-  for (Local v = 0; v < n; ++v) ++left[sigs.of[v]];
-  std::vector<Local> slots(n);
-  std::vector<i64> begin(n_sigs, 0), filled(n_sigs, 0), taken(n_sigs, 0);
-  std::partial_sum(left.begin(), left.end() - 1, begin.begin() + 1);
-  std::vector<std::int32_t> top(n_sigs, -1);
-  std::vector<double> key(n_sigs, 0.0);
-  // Signatures whose key changed since the last pick are pushed once, at the next pick: an
-  // entry per launch and signature, not per node. An entry whose key is stale is skipped.
-  std::vector<std::int32_t> dirty, safe;
-  std::vector<bool> is_dirty(n_sigs, false);
-  std::priority_queue<std::pair<double, std::int32_t>> by_key;  // (key, -signature)
-  auto make_ready = [&](Local v) {
-    const std::int32_t s = sigs.of[v];
-    slots[begin[s] + filled[s]++] = v;
-    const double h = height[v];
-    top[s] = std::max(top[s], height[v]);
-    const double count = static_cast<double>(filled[s] - taken[s]);
-    switch (priority) {
-      case Priority::highest: key[s] = top[s] * (static_cast<double>(n) + 1) + count; break;
-      case Priority::highest_sum: key[s] = top[s] + count; break;
-      case Priority::squares: key[s] += h * h + 1; break;
-    }
-    if (filled[s] - taken[s] == left[s]) {
-      safe.push_back(s);  // every node of s not yet run is ready
-    } else if (!is_dirty[s]) {
-      is_dirty[s] = true;
-      dirty.push_back(s);
-    }
-  };
-  for (Local v = 0; v < n; ++v)
-    if (waiting[v] == 0 && runs(v)) make_ready(v);
-  Plan plan;
-  plan.order.reserve(n);
-  LaunchesLeft launches_left(groups, sigs, flags, /*by_rank=*/!backward);
-  i64 n_choices = 0;
-  std::size_t next_flip = 0;
-  if (choices) choices->clear();
-  while (true) {
-    std::int32_t s = -1;
-    while (!safe.empty() && s < 0) {
-      const std::int32_t t = safe.back();
-      safe.pop_back();
-      if (filled[t] > taken[t]) s = t;  // else already run
-    }
-    if (s < 0) {
-      for (std::int32_t t : dirty) {
-        is_dirty[t] = false;
-        if (filled[t] > taken[t]) by_key.emplace(key[t], -t);
-      }
-      dirty.clear();
-      auto pop_valid = [&] {
-        while (!by_key.empty()) {
-          const auto [k, minus] = by_key.top();
-          by_key.pop();
-          if (filled[-minus] > taken[-minus] && k == key[-minus]) return -minus;
-        }
-        return -1;
-      };
-      s = pop_valid();
-      if (s >= 0) {
-        if (flips && next_flip < flips->size() && (*flips)[next_flip] == n_choices) {
-          ++next_flip;
-          if (const std::int32_t second = pop_valid(); second >= 0) {
-            by_key.emplace(key[s], -s);  // the best waits for a later pick
-            s = second;
-          }
-        }
-        if (choices) choices->batch.push_back(static_cast<Local>(plan.ends.size()));
-        ++n_choices;
-      }
-    }
-    if (s < 0) break;  // nothing ready: all nodes run
-    Local* batch = &slots[begin[s] + taken[s]];
-    const auto size = static_cast<std::size_t>(filled[s] - taken[s]);
-    taken[s] = filled[s];
-    left[s] -= static_cast<Local>(size);
-    key[s] = 0.0;
-    top[s] = -1;
-    if (!std::is_sorted(batch, batch + size)) std::sort(batch, batch + size);
-    plan.add(batch, size, !flags[s].leaf);
-    launches_left.ran(batch, size);
-    if (plan.launches + launches_left.value() >= limit) {  // as ranked_agenda's limit
-      plan.launches = limit;
-      return plan;
-    }
-    for (std::size_t i = 0; i < size; ++i) {
-      if (backward)
-        for_each_input(nodes, batch[i], [&](Local u) {
-          if (--waiting[u] == 0 && runs(u)) make_ready(u);
-        });
-      else
-        for (i64 e = edges.consumers_ptr[batch[i]]; e < edges.consumers_ptr[batch[i] + 1]; ++e)
-          if (--waiting[edges.consumers[e]] == 0) make_ready(edges.consumers[e]);
-    }
-  }
-  return backward ? reversed_after_leaves(plan, nodes, sigs, flags) : plan;
+                   bool backward = false, i64 limit = INT64_MAX) {
+  Plan plan = finish(ListRun(nodes, groups, edges, sigs, flags, height, priority, backward),
+                     limit);
+  if (!backward || plan.launches >= limit) return plan;  // stopped at the limit: incomplete
+  return reversed_after_leaves(plan, nodes, sigs, flags);
 }
 
 // An improvement pass over the critical-path list schedule, for the graphs where no schedule
@@ -818,17 +907,19 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
 // launch of s later. On mixed-operator trees, for example, the critical path runs the `concat`
 // of pairs whose other inputs are still a few ops away and splits it. Choices are tried in
 // order, each once (the schedule before a flipped choice does not change, so earlier choices
-// stay as they were): at most one run per split choice.
+// stay as they were): at most one run per split choice, each resumed from a copy of the run
+// at that choice, not started over, and stopped early when it meets the trail (Steering).
 //
-// Against the exact optimum its effect was studied in Python first (bench quality's graphs at
-// 20 instances: skip-chain 64 -> 58, the tight bound; random-dag 38 -> 36; mixed-op-tree 59 ->
-// 57). Cost: a run per flip, each stopped once it cannot beat the schedule so far, and at most
-// kClimbRuns runs and kClimbWork node and edge visits per forward, so large forwards skip it.
+// Bench quality's graphs (20 instances, seed 0): skip-chain 64 -> 58 launches (the lower
+// bound), random-dag 38 -> 36, mixed-op-tree 59 -> 57, message-passing 43 -> 42. Cost: the run
+// followed once, and per flip a copy of its state and the rest of a run, stopped once it
+// cannot beat the schedule so far; at most kClimbRuns flips, fewer on forwards of over
+// kClimbWork / kClimbRuns nodes and edges (none past kClimbWork).
 constexpr i64 kClimbRuns = 24;
 constexpr i64 kClimbWork = i64{1} << 16;
 
 // The first choice after `after` whose launch splits a group (see above), or -1.
-i64 first_split_choice(const Plan& plan, const Choices& choices, const Groups& groups,
+i64 first_split_choice(const Plan& plan, const std::vector<Local>& choices, const Groups& groups,
                        const Signatures& sigs, i64 after) {
   // Per signature, the lowest rank in its launches after the current one, scanning back.
   std::vector<std::int32_t> later_low(sigs.count(), INT32_MAX);
@@ -841,8 +932,8 @@ i64 first_split_choice(const Plan& plan, const Choices& choices, const Groups& g
     low_of[b] = later_low[s];  // the lowest rank of s after batch b
     later_low[s] = std::min(later_low[s], low);
   }
-  for (i64 c = after + 1; c < static_cast<i64>(choices.batch.size()); ++c) {
-    const Local b = choices.batch[c];
+  for (i64 c = after + 1; c < static_cast<i64>(choices.size()); ++c) {
+    const Local b = choices[c];
     const Local first = b ? plan.ends[b - 1] : 0;
     std::int32_t low = INT32_MAX;
     for (Local i = first; i < plan.ends[b]; ++i) low = std::min(low, groups.rank[plan.order[i]]);
@@ -856,22 +947,32 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
            Priority priority) {
   const i64 size = static_cast<i64>(nodes.n) + static_cast<i64>(edges.consumers.size());
   const i64 runs = std::min(kClimbRuns, kClimbWork / std::max<i64>(1, size));
-  std::vector<i64> flips;
-  Choices choices, trial_choices;
-  Plan plan = list_schedule(nodes, groups, edges, sigs, flags, height, priority, false,
-                            INT64_MAX, &flips, &choices);
+  Steering steer;
+  ListRun at(nodes, groups, edges, sigs, flags, height, priority, false);  // follows `plan`
+  Plan plan = finish(at, INT64_MAX, &steer);
+  std::vector<Local> choices = std::move(steer.choices);
   i64 after = -1;
   for (i64 run = 0; run < runs && plan.launches > groups.bound; ++run) {
     after = first_split_choice(plan, choices, groups, sigs, after);
     if (after < 0) break;
-    flips.push_back(after);
-    Plan trial = list_schedule(nodes, groups, edges, sigs, flags, height, priority, false,
-                               plan.launches, &flips, &trial_choices);
-    if (trial.launches < plan.launches) {
-      plan = std::move(trial);
-      std::swap(choices, trial_choices);
+    // Bring `at` to choice `after` of the plan (its flips all come before).
+    for (std::size_t f = 0; true;) {
+      std::int32_t s = at.all_ready();
+      if (s < 0) {
+        if (at.choices == after) break;
+        while (f < steer.flips.size() && steer.flips[f] < at.choices) ++f;
+        s = at.by_priority(f < steer.flips.size() && steer.flips[f] == at.choices);
+      }
+      at.launch(s);
+    }
+    steer.flips.push_back(after);
+    steer.choices.assign(choices.begin(), choices.begin() + after);
+    Plan tried = finish(at, plan.launches, &steer);
+    if (tried.launches < plan.launches) {
+      plan = std::move(tried);
+      choices = std::move(steer.choices);
     } else {
-      flips.pop_back();
+      steer.flips.pop_back();
     }
   }
   return plan;
