@@ -442,7 +442,7 @@ class LaunchesLeft {
  public:
   LaunchesLeft(const Groups& groups, const Signatures& sigs, const std::vector<OpFlags>& flags,
                bool by_rank = true)
-      : groups_(groups), sigs_(sigs), by_rank_(by_rank), left_(sigs.count(), 0),
+      : groups_(&groups), sigs_(&sigs), by_rank_(by_rank), left_(sigs.count(), 0),
         done_(sigs.count(), 0) {
     for (std::int32_t s : sigs.of) ++left_[s];
     for (std::size_t s = 0; s < sigs.count(); ++s)
@@ -454,24 +454,24 @@ class LaunchesLeft {
 
   // Nodes batch[0 .. size-1], all of one signature, have run.
   void ran(const Local* batch, std::size_t size) {
-    const std::int32_t s = sigs_.of[batch[0]];
+    const std::int32_t s = sigs_->of[batch[0]];
     if (left_[s] == 0) return;
     value_ -= bound_of(s);
     left_[s] -= static_cast<Local>(size);
     if (by_rank_)
-      for (std::size_t i = 0; i < size; ++i) done_[s] = std::max(done_[s], groups_.rank[batch[i]]);
+      for (std::size_t i = 0; i < size; ++i) done_[s] = std::max(done_[s], groups_->rank[batch[i]]);
     value_ += bound_of(s);
   }
 
  private:
   i64 bound_of(std::size_t s) const {
     if (left_[s] == 0) return 0;
-    return by_rank_ ? std::max<i64>(1, groups_.high[s] - done_[s]) : 1;
+    return by_rank_ ? std::max<i64>(1, groups_->high[s] - done_[s]) : 1;
   }
 
-  const Groups& groups_;
-  const Signatures& sigs_;
-  const bool by_rank_;
+  const Groups* groups_;  // pointers, not references: copies of a ListRun are assigned
+  const Signatures* sigs_;
+  bool by_rank_;
   std::vector<Local> left_;  // per signature: nodes not yet run (0 for leaves)
   std::vector<std::int32_t> done_;
   i64 value_ = 0;
@@ -845,8 +845,8 @@ struct Steering {
 };
 
 // Runs `run` to its end (or its limit, as list_schedule's), as `steer` says; a complete run
-// past its last flip adds its fingerprints to the trail.
-Plan finish(ListRun run, i64 limit, Steering* steer = nullptr) {
+// past its last flip adds its fingerprints to the trail. Returns the run's plan, moved out.
+Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr) {
   std::vector<std::pair<std::uint64_t, i64>> passed;  // fingerprint, launches so far
   std::size_t next_flip = 0;
   if (steer)
@@ -889,8 +889,8 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
                    const Signatures& sigs, const std::vector<OpFlags>& flags,
                    const std::vector<std::int32_t>& height, Priority priority,
                    bool backward = false, i64 limit = INT64_MAX) {
-  Plan plan = finish(ListRun(nodes, groups, edges, sigs, flags, height, priority, backward),
-                     limit);
+  ListRun run(nodes, groups, edges, sigs, flags, height, priority, backward);
+  Plan plan = finish(run, limit);
   if (!backward || plan.launches >= limit) return plan;  // stopped at the limit: incomplete
   return reversed_after_leaves(plan, nodes, sigs, flags);
 }
@@ -913,13 +913,15 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
 // Bench quality's graphs (20 instances, seed 0): skip-chain 64 -> 58 launches (the lower
 // bound), random-dag 38 -> 36, mixed-op-tree 59 -> 57, message-passing 43 -> 42. Cost: the run
 // followed once, and per flip a copy of its state and the rest of a run, stopped once it
-// cannot beat the schedule so far. The flips' work (nodes copied and run) is capped at
-// kClimbWork per node and edge of the forward, so the climb costs at most a few list schedules
-// (bench quality: +0.05-0.2 us/node where it runs). Budgets of 3 / 6 / 8 / 10 gave 3,292 /
-// 3,275 / 3,253 / 3,245 launches in total (3,326 without the climb) over random-dag, spinn,
-// mixed-op-tree, skip-chain and the three newest families at 8, 20 and 40 instances, seeds 0-2.
-constexpr i64 kClimbFlips = 24;  // flips tried at most
-constexpr i64 kClimbWork = 8;
+// cannot beat the schedule so far. The flips' work (nodes copied and run) may reach
+// kClimbStart per node and edge of the forward, and kClimbGain more after each flip that
+// gained: a climb that finds nothing stops after a few list schedules' worth, one that gains
+// goes on. Over random-dag, spinn, mixed-op-tree, skip-chain and the three newest families at
+// 8, 20 and 40 instances, seeds 0-2: 3,326 launches without the climb, 3,250 with it (a fixed
+// budget of 3 / 6 / 8 / 10 per node and edge: 3,292 / 3,275 / 3,253 / 3,245).
+constexpr i64 kClimbFlips = 32;  // flips tried at most
+constexpr i64 kClimbStart = 4;
+constexpr i64 kClimbGain = 4;
 
 // The first choice after `after` whose launch splits a group (see above), or -1.
 i64 first_split_choice(const Plan& plan, const std::vector<Local>& choices, const Groups& groups,
@@ -948,12 +950,12 @@ i64 first_split_choice(const Plan& plan, const std::vector<Local>& choices, cons
 Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const Signatures& sigs,
            const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
            Priority priority) {
-  const i64 budget =
-      kClimbWork * (static_cast<i64>(nodes.n) + static_cast<i64>(edges.consumers.size()));
-  i64 work = 0;
+  const i64 size = static_cast<i64>(nodes.n) + static_cast<i64>(edges.consumers.size());
+  i64 budget = kClimbStart * size, work = 0;
   Steering steer;
   ListRun at(nodes, groups, edges, sigs, flags, height, priority, false);  // follows `plan`
-  Plan plan = finish(at, INT64_MAX, &steer);
+  ListRun trial = at;  // a flipped run; assigned from `at`, reusing its memory
+  Plan plan = finish(trial, INT64_MAX, &steer);
   std::vector<Local> choices = std::move(steer.choices);
   i64 after = -1;
   for (i64 flip = 0; flip < kClimbFlips && work < budget && plan.launches > groups.bound; ++flip) {
@@ -971,11 +973,13 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
     }
     steer.flips.push_back(after);
     steer.choices.assign(choices.begin(), choices.begin() + after);
-    Plan tried = finish(at, plan.launches, &steer);
+    trial = at;
+    Plan tried = finish(trial, plan.launches, &steer);
     work += nodes.n + static_cast<i64>(tried.order.size() - at.plan.order.size());
     if (tried.launches < plan.launches) {
       plan = std::move(tried);
       choices = std::move(steer.choices);
+      budget += kClimbGain * size;
     } else {
       steer.flips.pop_back();
     }
