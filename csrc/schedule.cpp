@@ -927,28 +927,25 @@ constexpr i64 kClimbStart = 4;
 constexpr i64 kClimbGain = 4;
 constexpr i64 kClimbSize = i64{1} << 13;
 
-// The first choice after `after` whose launch splits a group (see above), or -1.
-i64 first_split_choice(const Plan& plan, const std::vector<Local>& choices, const Groups& groups,
-                       const Signatures& sigs, i64 after) {
-  // Per signature, the lowest rank in its launches after the current one, scanning back.
-  std::vector<std::int32_t> later_low(sigs.count(), INT32_MAX);
-  std::vector<std::int32_t> low_of(plan.ends.size());
-  for (std::size_t b = plan.ends.size(); b-- > 0;) {
+// Which choices of `plan` split a group (see above): per choice, whether its launch does.
+std::vector<bool> split_choices(const Plan& plan, const std::vector<Local>& choices,
+                                const Groups& groups, const Signatures& sigs) {
+  // Per batch its lowest rank, and per signature the lowest rank of its later launches.
+  const std::size_t batches = plan.ends.size();
+  std::vector<std::int32_t> later_low(sigs.count(), INT32_MAX), low(batches, INT32_MAX),
+      low_after(batches);
+  for (std::size_t b = batches; b-- > 0;) {
     const Local first = b ? plan.ends[b - 1] : 0;
-    std::int32_t low = INT32_MAX;
-    for (Local i = first; i < plan.ends[b]; ++i) low = std::min(low, groups.rank[plan.order[i]]);
+    for (Local i = first; i < plan.ends[b]; ++i)
+      low[b] = std::min(low[b], groups.rank[plan.order[i]]);
     const std::int32_t s = sigs.of[plan.order[first]];
-    low_of[b] = later_low[s];  // the lowest rank of s after batch b
-    later_low[s] = std::min(later_low[s], low);
+    low_after[b] = later_low[s];
+    later_low[s] = std::min(later_low[s], low[b]);
   }
-  for (i64 c = after + 1; c < static_cast<i64>(choices.size()); ++c) {
-    const Local b = choices[c];
-    const Local first = b ? plan.ends[b - 1] : 0;
-    std::int32_t low = INT32_MAX;
-    for (Local i = first; i < plan.ends[b]; ++i) low = std::min(low, groups.rank[plan.order[i]]);
-    if (low_of[b] <= low) return c;
-  }
-  return -1;
+  std::vector<bool> split(choices.size());
+  for (std::size_t c = 0; c < choices.size(); ++c)
+    split[c] = low_after[choices[c]] <= low[choices[c]];
+  return split;
 }
 
 Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const Signatures& sigs,
@@ -961,10 +958,11 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
   ListRun trial = at;  // a flipped run; assigned from `at`, reusing its memory
   Plan plan = finish(trial, INT64_MAX, &steer);
   std::vector<Local> choices = std::move(steer.choices);
+  std::vector<bool> split = split_choices(plan, choices, groups, sigs);
   i64 after = -1;
   for (i64 flip = 0; flip < kClimbFlips && work < budget && plan.launches > groups.bound; ++flip) {
-    after = first_split_choice(plan, choices, groups, sigs, after);
-    if (after < 0) break;
+    do ++after; while (after < static_cast<i64>(split.size()) && !split[after]);
+    if (after == static_cast<i64>(split.size())) break;
     // Bring `at` to choice `after` of the plan (its flips all come before).
     for (std::size_t f = 0; true;) {
       std::int32_t s = at.all_ready();
@@ -983,6 +981,7 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
     if (tried.launches < plan.launches) {
       plan = std::move(tried);
       choices = std::move(steer.choices);
+      split = split_choices(plan, choices, groups, sigs);
       budget += kClimbGain * size;
     } else {
       steer.flips.pop_back();
