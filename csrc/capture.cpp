@@ -458,6 +458,7 @@ PyObject* s_apply = nullptr;            // "apply"
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
+PyObject* s_out = nullptr;              // "out"
 PyObject* s_name = nullptr;             // "__name__"
 PyObject* s_self = nullptr;             // "__self__"
 PyObject* s_optimizer_step = nullptr;   // "optimizer_step"
@@ -541,15 +542,23 @@ struct Scan {
     return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
   }
 
-  bool any(PyObject* x) {  // an argument: a tensor, or a list / tuple holding tensors
+  // An argument: a tensor, or a list / tuple holding tensors. Expressions in it, which torch
+  // does not look for inside the data of a factory (`torch.tensor([score_a, score_b])`: no
+  // overloaded types), involve the graph too, nested a few lists deep.
+  bool any(PyObject* x, int depth = 0) {
     if (is_tensor(x)) return involves(x);
+    if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_expression_type))) return true;
     if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {
       // (a list may change under a Python call made here: index it afresh each time)
       for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(x); ++i) {
         PyObject* y = PySequence_Fast_GET_ITEM(x, i);
         Py_INCREF(y);
         Owned held{y};
-        if (is_tensor(y) && involves(y)) return true;
+        if (is_tensor(y) ? involves(y)
+                         : PyObject_TypeCheck(y, reinterpret_cast<PyTypeObject*>(g_expression_type))
+                               || (depth < 3 && (PyList_CheckExact(y) || PyTuple_CheckExact(y))
+                                   && any(y, depth + 1)))
+          return true;
       }
     }
     return false;
@@ -733,9 +742,13 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
       throw PythonError{};
     }
   }
-  if (PyObject* out = fb_unary(func, args, kwargs.get())) return out;
-  if (PyObject* out = planned(func, args, kwargs.get())) return out;
-  PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
+  // `func(..., out=t)`: capture._unhandled records it without `out`, then writes t
+  PyObject* out_arg = PyDict_GetItemWithError(kwargs.get(), s_out);  // borrowed
+  if (!out_arg && PyErr_Occurred()) throw PythonError{};
+  const bool written_out = out_arg && out_arg != Py_None;
+  if (PyObject* out = written_out ? nullptr : fb_unary(func, args, kwargs.get())) return out;
+  if (PyObject* out = written_out ? nullptr : planned(func, args, kwargs.get())) return out;
+  PyObject* handler = written_out ? nullptr : PyDict_GetItemWithError(g_handlers, func);
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
     Py_INCREF(handler);  // (a handler may change _HANDLERS while it runs)
@@ -808,7 +821,13 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
         PyObject* key = nullptr;
         if (PyTuple_GET_SIZE(args.get())) target = PyTuple_GET_ITEM(args.get(), 0);
         else if (kwargs) PyDict_Next(kwargs, &at, &key, &target);
-        Owned done{checked(PyObject_CallOneArg(g_before_write, target))};
+        // What to call after the write (rows taken as views of the tensor), or None.
+        Owned after{checked(PyObject_CallOneArg(g_before_write, target))};
+        if (after.get() != Py_None) {
+          Owned result{checked(PyObject_Call(func, args.get(), kwargs))};
+          Owned done{checked(PyObject_CallNoArgs(after.get()))};
+          return result.release();
+        }
       }
     }
     return PyObject_Call(func, args.get(), kwargs);
@@ -939,9 +958,10 @@ bool register_capture(PyObject* module) {
   s_torch_function_name = PyUnicode_InternFromString("__torch_function__");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
+  s_out = PyUnicode_InternFromString("out");
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
-  return s_torch_function_name && s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  return s_torch_function_name && s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

@@ -837,14 +837,33 @@ bool of_other_dtype(PyObject* x) {
   return found;
 }
 
+// Whether `x` has more than two dims: `a @ b` of such operands is torch.matmul's broadcast
+// batched product (attention heads' `q @ k.transpose(-2, -1)`), not the fb op's vector and
+// matrix product.
+bool beyond_matrices(PyObject* x) {
+  std::size_t nd = 0;
+  if (is_expression(x)) {
+    const Expression* e = as_expression(x);
+    shape_dims(e->graph, e->graph->nodes->shape[e->id], &nd);
+  } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
+    PyObject* ndim = PyObject_GetAttrString(x, "ndim");
+    if (!ndim) throw PythonError{};
+    nd = static_cast<std::size_t>(PyLong_AsSsize_t(ndim));
+    Py_DECREF(ndim);
+  }
+  return nd > 2;
+}
+
 PyObject* operator_rule(Operator which, PyObject* a, PyObject* b) {
   PyObject* rule = g_rules[which];
   if (!rule) Py_RETURN_NOTIMPLEMENTED;
   // The fb ops compute in the graph's dtype; an operand of another dtype follows torch's type
-  // promotion instead (`mask.long() + 1` is an integer, `h.float() * 3` a float32): recorded
-  // as the Tensor operator it is, by the capture layer (`ops._tensor_operator`).
+  // promotion instead (`mask.long() + 1` is an integer, `h.float() * 3` a float32), and a
+  // product of operands beyond matrices is torch's batched matmul: each is recorded as the
+  // Tensor operator it is, by the capture layer (`ops._tensor_operator`).
   try {
-    if (of_other_dtype(a) || (b && of_other_dtype(b)))
+    if (of_other_dtype(a) || (b && of_other_dtype(b)) ||
+        (which == kMatmul && (beyond_matrices(a) || beyond_matrices(b))))
       return PyObject_CallMethod(g_ops_module, "_tensor_operator", "iOO", static_cast<int>(which),
                                  a, b ? b : Py_None);
   } catch (const PythonError&) {
@@ -930,8 +949,15 @@ PyObject* getitem_fallback(PyObject* x, PyObject* index) {
   return out;
 }
 
-// x[i] picks, x[a:b] slices (step 1) in C, the common cases of per-instance code.
+// x[i] picks, x[a:b] slices (step 1) in C, the common cases of per-instance code. The fb ops
+// compute in the graph's dtype: an expression of another (topk's indices) is indexed as the
+// Tensor it stands for, by the fallback.
 PyObject* expr_getitem(PyObject* x, PyObject* index) {
+  try {
+    if (of_other_dtype(x)) return getitem_fallback(x, index);
+  } catch (const PythonError&) {
+    return nullptr;
+  }
   if (PySlice_Check(index)) {
     PySliceObject* s = reinterpret_cast<PySliceObject*>(index);
     if (s->step != Py_None) {

@@ -1052,6 +1052,23 @@ PyObject* own_time_ns(PyObject*, PyObject*) {
   return PyLong_FromLongLong(total);
 }
 
+// An in-place write into an expression (`h += x`, capture.py `_write_into_expression`) as
+// eager torch makes it: every reference to the same handle (`a = h`, a list holding h) sees
+// the new value, so the handle is pointed at the node of the value written.
+PyObject* rebind(PyObject*, PyObject* args) {
+  PyObject *target, *value;
+  if (!PyArg_ParseTuple(args, "O!O!:rebind", &ExpressionBase, &target, &ExpressionBase, &value))
+    return nullptr;
+  Expression* t = reinterpret_cast<Expression*>(target);
+  const Expression* v = reinterpret_cast<Expression*>(value);
+  if (t->graph != v->graph) {
+    PyErr_SetString(PyExc_ValueError, "rebind: the expressions belong to different graphs");
+    return nullptr;
+  }
+  t->id = v->id;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kModuleMethods[] = {
     {"configure", configure, METH_VARARGS, kConfigureDoc},
     {"measure_own_time", measure_own_time, METH_O,
@@ -1060,6 +1077,9 @@ PyMethodDef kModuleMethods[] = {
     {"own_time_ns", own_time_ns, METH_NOARGS,
      "own_time_ns() -> int: nanoseconds spent in flybatch's op creation while measuring, "
      "since the module loaded"},
+    {"rebind", rebind, METH_VARARGS,
+     "rebind(target, value): point the expression handle `target` at `value`'s node (an "
+     "in-place write into an expression, seen through every reference to the handle)"},
     {"op_table", op_table, METH_NOARGS,
      "op_table() -> list[Op]: the op of each op code (Store.view('ops')), shared by all graphs"},
     {nullptr, nullptr, 0, nullptr},

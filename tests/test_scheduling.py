@@ -233,9 +233,11 @@ def test_tight_bound_against_the_exact_optimum_on_small_workloads(name, sizes, a
 # Per family: the exact optimum of 2 and 3 instances, seeds 0-2 (forward only), found by
 # optimum.graph_optimum in under a second each. In total auto launched 148, 402 and 102 against
 # optima of 126, 382 and 101 (1.17x, 1.05x, 1.01x) before the signature list schedules; 132,
-# 385 and 101 after (1.05x, 1.01x, 1.00x).
-@pytest.mark.parametrize("name, ceiling", [("random-dag", 1.06), ("spinn", 1.02),
-                                           ("calculator", 1.01)])
+# 385 and 101 after (1.05x, 1.01x, 1.00x). The climb over split choices: random-dag 129 -> 127
+# (1.01x); mixed-op-tree 147 -> 145 and message-passing 207 -> 202 against 137 and 201.
+@pytest.mark.parametrize("name, ceiling", [("random-dag", 1.01), ("spinn", 1.02),
+                                           ("calculator", 1.01), ("mixed-op-tree", 1.06),
+                                           ("message-passing", 1.005)])
 def test_auto_is_close_to_the_exact_optimum_on_small_workloads(name, ceiling):
     from flybatch.bench import workloads
     fam = workloads.family(name)

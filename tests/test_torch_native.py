@@ -16,6 +16,7 @@ import re
 import warnings
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -1061,8 +1062,192 @@ def test_in_place_ops_on_expressions_raise_naming_the_function(op):
 def test_item_assignment_into_an_expression_raises():
     with fb.Graph():
         x = fb.input(torch.randn(2, 3)) * 1.0
-        with pytest.raises(TypeError, match="item assignment"):
+        with pytest.raises(TypeError, match=r"item assignment .*x\[0\] = \.\.\. on shape "
+                                            r"\(2, 3\).* out of place"):
             x[0] = 1.0
+
+
+def _eager_and_batched(fn):
+    """`fn()`'s value computed eagerly and inside a graph."""
+    with torch.enable_grad():
+        eager = fn()
+    with fb.Graph():
+        return eager.item(), fn().item()
+
+
+def test_an_augmented_assignment_to_an_expression_is_seen_through_every_reference():
+    """`h += 1` writes h in place eagerly: a name or a list bound to the same tensor sees it."""
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def aliased():
+        h = linear(x)
+        alias, kept = h, [h]
+        alias += 1
+        kept[0] *= 2
+        h -= 0.5
+        return h.sum() + alias.sum() + kept[0].sum()
+
+    eager, batched = _eager_and_batched(aliased)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_an_augmented_assignment_under_no_grad_changes_values_not_the_gradients_path():
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        linear.zero_grad()
+        with context:
+            h = linear(x) * 1.0
+            with torch.no_grad():
+                h += 1
+                h *= 2
+            loss = (h * h).sum()
+            loss.backward()
+            runs.append((loss.item(), linear.weight.grad.clone()))
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-12)
+
+
+def test_a_scalar_loss_accumulated_with_plus_equals_is_one_sum():
+    linear, xs = seeded(nn.Linear(3, 1)), draw(0, *[(3,)] * 6)
+    with fb.Graph() as g:
+        loss = 0
+        for x in xs:
+            loss += linear(x).sum()
+        loss.backward()
+    assert g.stats().batches <= 4  # linear, sum, 0 + the first term, ONE sum of the rest
+
+
+@pytest.mark.parametrize("write, error", [
+    (lambda h: h.__iadd__(torch.ones(2, 3)), r"__iadd__: a result of shape \(2, 3\) cannot"),
+    (lambda h: (h > 0).long().__iadd__(1.5), "can't be cast")])
+def test_an_augmented_assignment_eager_torch_refuses_raises_at_the_call(write, error):
+    linear = seeded(nn.Linear(3, 3))
+    with fb.Graph(), pytest.raises(RuntimeError, match=error):
+        write(linear(torch.randn(3, dtype=torch.float64)))
+
+
+VIEWS_THEN_WRITE = {
+    "a slice taken before the write": lambda h: (h[0:2], h.__iadd__(1))[0],
+    "a row taken before the write": lambda h: (h[0], h.__iadd__(1))[0],
+    "a reshape taken before the write": lambda h: (h.view(1, 3), h.__iadd__(1))[0],
+    "the tensor a detached view wrote into": lambda h: (h, h.detach().__imul__(0))[0],
+}
+
+
+@pytest.mark.parametrize("case", VIEWS_THEN_WRITE)
+def test_what_shares_storage_with_an_expression_written_in_place_raises_when_read_after(case):
+    """Eagerly a view (or the tensor viewed) shows the write; batched it would hold the old
+    values, so reading it after the write raises instead of answering differently."""
+    linear = seeded(nn.Linear(3, 3))
+    with fb.Graph():
+        stale = VIEWS_THEN_WRITE[case](linear(torch.randn(3, dtype=torch.float64)) * 1.0)
+        with pytest.raises(RuntimeError, match=r"shares storage, eagerly, with an expression "
+                                               r"later written in place by Tensor\.__i"):
+            (stale * 2).sum().item()
+
+
+def test_a_view_used_before_the_write_keeps_its_value():
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def used_before():
+        h = linear(x).view(1, 3)  # a write through a view of a result nobody else holds
+        partial = h[0].sum()
+        h += 1
+        return partial + h.sum()
+
+    eager, batched = _eager_and_batched(used_before)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_the_matmul_operator_of_expressions_beyond_matrices_is_torchs_batched_product():
+    """Attention heads: `q @ k.transpose(-2, -1)` on [heads, n, d] (and a 3-D tensor operand)."""
+    linear, x = seeded(nn.Linear(4, 8)), torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(2, 3, 5, dtype=torch.float64)
+
+    def heads():
+        q = linear(x).view(3, 2, 4).transpose(0, 1)
+        return ((q @ q.transpose(-2, -1)) @ q).sum() + (q.transpose(-2, -1)[:, :2] @ w).sum()
+
+    eager, batched = _eager_and_batched(heads)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+TENSOR_SURFACE = {
+    "unary +": lambda h: (+h).sum(),
+    "x.mH and x.H": lambda h: (h.unsqueeze(0).mH @ h.unsqueeze(0)).sum() + h.view(3, 1).H.sum(),
+    "^ of masks": lambda h: (h * ((h > 0) ^ (h > 0.2))).sum(),
+    "reversed()": lambda h: torch.stack(list(reversed(h.view(3, 1)))).view(3)[0] * 2,
+    "grad_fn": lambda h: h.sum() * (2.0 if h.grad_fn is not None else 1.0)
+    + h.detach().sum() * (2.0 if h.detach().grad_fn is None else 1.0),
+}
+
+
+@pytest.mark.parametrize("case", TENSOR_SURFACE)
+def test_expressions_answer_the_tensor_surface_as_tensors_do(case):
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+    eager, batched = _eager_and_batched(lambda: TENSOR_SURFACE[case](linear(x)))
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_torch_tensor_of_expressions_is_a_new_tensor_of_their_values():
+    """`torch.tensor([a, b])` of scalar scores (nested too): their values, without gradient
+    history, as eagerly; `torch.as_tensor(x)` is x itself; `np.array(x)` its values."""
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+    with torch.no_grad():
+        want = linear(x)
+    with fb.Graph():
+        h = linear(x)
+        flat, nested = torch.tensor([h[0], h[2]]), torch.tensor([[h[0], 1.0], [h[1], h[2]]])
+        assert type(flat) is torch.Tensor and not flat.requires_grad
+        torch.testing.assert_close(flat, want[[0, 2]], rtol=0, atol=0)
+        torch.testing.assert_close(nested, torch.stack([torch.stack([want[0], torch.tensor(
+            1.0, dtype=torch.float64)]), want[1:]]), rtol=0, atol=0)
+        assert torch.as_tensor(h) is h
+        np.testing.assert_array_equal(np.array(h), want.numpy())
+
+
+def test_a_one_argument_where_of_an_expression_runs_on_its_values():
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def positives():
+        h = linear(x)
+        return h[torch.where(h > 0)[0]].sum() + h.sum()
+
+    with pytest.warns(UserWarning, match="torch.where .*depends on their values"):
+        eager, batched = _eager_and_batched(positives)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
+def test_making_an_expression_a_leaf_that_requires_grad_raises_naming_it():
+    with fb.Graph():
+        x = fb.input(torch.randn(3)) * 2.0
+        assert x.detach().requires_grad_(False).shape == (3,)
+        with pytest.raises(TypeError, match=r"Tensor\.requires_grad_\(True\) on a flybatch "
+                                            r"expression of shape \(3,\)"):
+            x.detach().requires_grad_()
+
+
+def test_out_of_a_recorded_call_is_written_as_eagerly():
+    """`F.normalize(..., out=buf)` writes buf (which then reads as its new value) and returns
+    it; `out=` an expression, which has no storage, raises naming the function."""
+    linear, x = seeded(nn.Linear(3, 3)), torch.randn(3, dtype=torch.float64)
+
+    def into_buffer():
+        buf = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            returned = F.normalize(linear(x), dim=0, out=buf)
+            assert returned is buf
+            torch.add(linear(x), 1.0, out=buf)
+        return linear(x).sum() * buf.sum()
+
+    eager, batched = _eager_and_batched(into_buffer)
+    assert batched == pytest.approx(eager, abs=1e-12)
+    with fb.Graph():
+        h = linear(x)
+        with pytest.raises(TypeError, match=r"torch\.add\(out=\.\.\.\) into a flybatch "
+                                            r"expression"):
+            torch.add(linear(x), 1.0, out=h)
 
 
 def test_a_plain_tensor_the_graph_wrote_into_reads_its_new_values():
@@ -1355,3 +1540,29 @@ def test_a_view_taken_before_the_graph_wrote_into_its_tensor_raises_instead_of_r
             with pytest.raises(RuntimeError, match=r"view of shape \(3,\).*before the graph"):
                 use()
         assert out[1].tolist() == proj(torch.ones(3)).tolist()  # taken after: the new values
+
+
+def _indexed_by_computed_indices(W, x):
+    values, indices = (x * W[0]).topk(2)  # indices: a 0-d int64 expression each
+    first, second = indices[0], indices[1]
+    return (values * x[first]).sum() + W[first].sum() + W[:, second].sum() + W[1, first] \
+        + x[-second - 1] + W[torch.tensor(3)].sum()
+
+
+@pytest.mark.parametrize("strategy", ["depth", "auto"])
+def test_an_index_computed_per_instance_selects_as_eagerly_batched_without_value_requests(
+        strategy):
+    W = torch.nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+    xs = [torch.randn(4, dtype=torch.float64) for _ in range(4)]
+    expected = [_indexed_by_computed_indices(W, x) for x in xs]
+    sum(expected).backward()
+    grad, W.grad = W.grad.clone(), None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs on the values" fallback
+        with fb.Graph(strategy=strategy) as g:
+            got = [_indexed_by_computed_indices(W, x) for x in xs]
+            sum(got).backward()
+            assert [t.item() for t in got] == pytest.approx([t.item() for t in expected],
+                                                             rel=1e-12)
+            assert g.forwards == 1
+    torch.testing.assert_close(W.grad, grad)

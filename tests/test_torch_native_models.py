@@ -13,10 +13,13 @@ outputs) and random sampling.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import flybatch as fb
 from native import assert_same_training, check, draw, run_batched, run_eager, seeded
@@ -583,6 +586,77 @@ class Distillation(nn.Module):
                 + F.kl_div(F.log_softmax(self.student(x), -1), soft, reduction="batchmean"))
 
 
+class EncoderLayer(nn.Module):
+    """A transformer encoder layer over one sentence, written by hand: multi-head attention as
+    `softmax(q @ k.transpose(-2, -1) / sqrt(d))` on [heads, n, d] tensors, LayerNorm, GELU,
+    residuals."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ff1, self.ff2, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        n, d = x.shape
+        q, k, v = (t.view(n, self.heads, -1).transpose(0, 1) for t in self.qkv(x).chunk(3, -1))
+        attention = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
+        x = self.norm1(x + self.o((attention @ v).transpose(0, 1).reshape(n, d)))
+        x = self.norm2(x + self.ff2(F.gelu(self.ff1(x))))
+        return self.out(x.mean(0, keepdim=True))
+
+
+class Orthogonal(nn.Module):
+    """A linear layer under torch's orthogonal parametrization (its weight computed from
+    `X - X.mH` by a matrix exponential at each read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x))).sum(0, keepdim=True)
+
+
+class GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class RoundThrough(torch.autograd.Function):
+    """Rounding with a straight-through gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class DomainAdversarial(nn.Module):
+    """Custom autograd.Functions, whose own backward must run (a gradient reversal layer into
+    a domain classifier, straight-through rounding), and a reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.label, self.domain = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x)).mean(0, keepdim=True)
+        rounded = RoundThrough.apply(h * 4) / 4
+        scores = torch.utils.checkpoint.checkpoint(self.label, rounded, use_reentrant=True)
+        return scores + self.domain(GradReverse.apply(h, 0.3)).logsumexp(-1).sum()
+
+
 def xy_rows():
     return [tuple(draw(seed, (1, 4), (1, 4))) for seed in range(5)]
 
@@ -651,6 +725,12 @@ ZOO = {
                                         list(enumerate(draw(2, *[(1, 4)] * 5)))),
     "distillation-soft-targets": entry(Distillation, lambda m, x: m(x), draw(3, *[(1, 4)] * 5)),
     "recurrences-and-writes": entry(Recurrences, lambda m, x: m(x), sequences()),
+    "hand-written-multi-head-attention": entry(
+        EncoderLayer, classify, list(enumerate(draw(3, (3, 8), (5, 8), (2, 8), (4, 8), (3, 8)))),
+        fewer=2),
+    "custom-autograd-functions": entry(DomainAdversarial, classify, list(enumerate(sequences()))),
+    "orthogonal-parametrization": entry(Orthogonal, classify, list(enumerate(sequences())),
+                                        fewer=2),
 }
 
 
@@ -710,7 +790,38 @@ class CarriedState(nn.Module):
         return h.pow(2).sum() * self.steps.sum()
 
 
-@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState])
+class MovingAverage(nn.Module):
+    """A buffer assigned a new value out of place in forward (an exponential moving average),
+    read back by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x).mean(0)
+        self.average = 0.9 * self.average + 0.1 * y.detach()
+        return ((y - self.average) ** 2).sum()
+
+
+class SpectralNormed(nn.Module):
+    """Spectral normalisation, torch's old hook and its parametrization: each call runs a
+    power iteration written into the module's buffers with `normalize(..., out=u)`."""
+
+    def __init__(self, parametrization: bool):
+        super().__init__()
+        torch.manual_seed(0)  # (the buffers' random start, which `seeded` does not redraw)
+        norm = nn.utils.parametrizations.spectral_norm if parametrization else \
+            nn.utils.spectral_norm
+        self.lin, self.out = norm(nn.Linear(4, 4)), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x))).pow(2).sum()
+
+
+@pytest.mark.parametrize("make", [RunningMean, BatchNormed, CarriedState, MovingAverage,
+                                  lambda: SpectralNormed(False), lambda: SpectralNormed(True)])
 def test_state_a_model_updates_in_forward_is_eagers_during_and_after_the_graph(make):
     """Each instance reads the buffers as the instances before it left them (every op, `-`
     and `@` too), and after the graph the buffers hold their last values, as eagerly."""

@@ -26,9 +26,10 @@ right, and draws take the random stream in program order, as eagerly.
 
 The signature of a recorded call is (function, the constants of the call, each operand's shape
 and dtype, and the node of each shared parameter), so calls batch exactly when one kernel can
-compute them all. In-place operations on expressions raise; in-place writes of expressions into
-a plain tensor (`outputs[i] = h`) are recorded out of place and the tensor stands for its new
-value in the calls that follow (`Graph.shadows`).
+compute them all. An augmented assignment to an expression (`h += x`) points its handle at the
+new value (`_write_into_expression`); other in-place operations on expressions raise; in-place
+writes of expressions into a plain tensor (`outputs[i] = h`) are recorded out of place and the
+tensor stands for its new value in the calls that follow (`Graph.shadows`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import operator
 import threading
 import warnings
 import types
@@ -44,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
@@ -132,18 +135,22 @@ def _forget(tensor) -> None:
                 graph.forget(tensor)
 
 
-def _before_write(target) -> None:
+def _before_write(target) -> Callable[[], None] | None:
     """Before `target` (a tensor, or a list of them: `torch._foreach_add_`) is written in place
     or rebound (`W.data.copy_(...)`, `W.add_(...)` under no_grad, an optimizer's step, `W.data
     = ...`): parameters and embedding tables are read when a forward runs, so the pending nodes
     of a graph that reads its storage run first, and see what they would have seen eagerly.
     A forward that fails leaves its nodes pending (it raises again at their value request,
-    unless this write is the fix: `W.data = W.data.float()`)."""
+    unless this write is the fix: `W.data = W.data.float()`). Returns what to call after an
+    in-place write, when a graph holds rows taken as views of the tensor (`Graph.row_views`);
+    a rebinding calls nothing after: eager views keep the storage they were taken of."""
     # (through the WeakSet's own set of references: iterating the WeakSet costs ~4 us)
     graphs = [ref() for ref in live_graphs.data]
-    pending = [g for g in graphs if g is not None and g.n_done < g.n_nodes and not g.closed]
-    if not pending:
-        return
+    graphs = [g for g in graphs if g is not None and not g.closed]
+    pending = [g for g in graphs if g.n_done < g.n_nodes]
+    viewing = [g for g in graphs if g.row_views]
+    if not pending and not viewing:
+        return None
     tensors = target if isinstance(target, (list, tuple)) else (target,)
     with torch._C.DisableTorchFunction():
         storages = {t.untyped_storage().data_ptr() for t in tensors
@@ -153,6 +160,10 @@ def _before_write(target) -> None:
         if storages and graph.reads_later(storages):
             with contextlib.suppress(Exception):
                 graph.forward()
+    viewing = [g for g in viewing if not storages.isdisjoint(g.row_views)]
+    if not viewing:
+        return None
+    return lambda: [g.refresh_row_views(storages) for g in viewing if not g.closed] and None
 
 
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
@@ -190,6 +201,70 @@ torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backw
 torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
 
 
+# A module's buffer assigned an expression (`self.running = 0.9 * self.running + 0.1 * y`,
+# torch accepts any object with __torch_function__ as a buffer): the buffer becomes a new plain
+# tensor that stands for the expression (Graph.shadows), as eagerly it becomes the new tensor,
+# and holds its value once the graph closes, instead of an expression that outlives its graph.
+_register_buffer = torch.nn.Module.register_buffer
+
+
+def _register_buffer_of(module: torch.nn.Module, name: str, tensor: Any,
+                        persistent: bool = True) -> None:
+    if isinstance(tensor, Expression):
+        g = tensor.graph
+        g.node_of(tensor)  # (a closed graph's expression raises here)
+        with torch._C.DisableTorchFunction():
+            placeholder = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                      device=g.device or torch.device("cpu"))
+        g.shadows[id(placeholder)] = (placeholder, tensor)
+        tensor = placeholder
+    return _register_buffer(module, name, tensor, persistent)
+
+
+torch.nn.Module.register_buffer = _register_buffer_of
+
+
+# A custom `torch.autograd.Function` (a gradient reversal layer, a straight-through estimator)
+# applied to expressions: torch calls its `forward` directly, which would record the ops inside
+# it as ordinary nodes (under the no_grad that apply runs forward in) and drop its own backward.
+# So `Function.apply` with an expression among its arguments becomes a generic node whose
+# kernel applies the Function to the batch's real tensors (one apply per node where vmap has no
+# rule for it): autograd then runs the Function's own backward, as eagerly.
+_function_apply = torch.autograd.Function.apply.__func__
+
+
+class _Applied:
+    """`cls.apply` of a custom autograd.Function, as the function of a generic node (equal for
+    one class, so that its applications batch)."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.__name__ = self.__qualname__ = f"{cls.__name__}.apply"
+
+    def __call__(self, *args, **kwargs):
+        return _function_apply(self.cls, *args, **kwargs)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Applied) and other.cls is self.cls
+
+    def __hash__(self) -> int:
+        return hash(self.cls)
+
+
+def _apply(cls, *args, **kwargs):
+    given = args + tuple(kwargs.values())
+    if not any(isinstance(a, Expression) or isinstance(a, (list, tuple)) and
+               any(isinstance(b, Expression) for b in a) for a in given):
+        return _function_apply(cls, *args, **kwargs)
+    if cls is torch.utils.checkpoint.CheckpointFunction:  # (use_reentrant=True)
+        run, _, *inputs = args  # the function itself: recomputing is only a memory trade
+        return run(*inputs)
+    return _generic(_Applied(cls), args, kwargs)
+
+
+torch.autograd.Function.apply = classmethod(_apply)
+
+
 # `torch_call(func, args, kwargs)` records `func(*args, **kwargs)`, a call that involves the
 # graph, as nodes. Its head is in C (`_core.torch_call`, capture.cpp; every recorded call goes
 # through it): `_stacklevel` (nn.LogSoftmax's warning depth, not part of the computation)
@@ -211,10 +286,25 @@ def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
     if name.endswith("_") and not name.startswith("__") or name == "__setitem__" or \
             name.startswith("__i") and name[3:-2] in _INPLACE_DUNDERS:
         return _inplace(func, name, args, kwargs)
-    if "out" in kwargs and kwargs["out"] is not None:
-        raise TypeError(f"{_name(func)}(out=...) with a flybatch expression: an expression has "
-                        "no storage to write into; use the returned value")
+    if kwargs.get("out") is not None:
+        return _written_out(func, args, kwargs)
     return _generic(func, args, kwargs)
+
+
+def _written_out(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """`func(..., out=t)` (spectral norm's power iteration into its buffers): recorded without
+    `out`, then written into t as `t.copy_(result)` is (the plain tensor stands for its new
+    value); returns t, as eagerly."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    result = torch_call(func, args, kwargs)
+    outs, results = (out, result) if isinstance(out, (tuple, list)) else ((out,), (result,))
+    for target, value in zip(outs, results):
+        if isinstance(target, Expression):
+            raise TypeError(f"{_name(func)}(out=...) into a flybatch expression: an expression "
+                            "has no storage to write into; use the returned value")
+        torch_call(T.copy_, (target, value), {})
+    return out
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
@@ -694,7 +784,10 @@ def _plan_of(handler: Callable, call: _Call, build: Callable) -> Any:
     key = (handler, call.key, call.operands, call.params)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build(call)
+        try:
+            plan = build(call)
+        except _ValueDependentShape:  # (`torch.where(mask)`): the generic path, on the values
+            plan = NotImplemented
         if type(plan) is tuple:
             plan = _Plan.direct(call, *plan)
         _PLANS[key] = plan
@@ -737,10 +830,15 @@ def _dim(d: int, ndim: int, op: str) -> int:
     return (d % max(ndim, 1)) + 1
 
 
+class _ValueDependentShape(ShapeError):
+    """A handler's function whose output shape depends on the values for these operands: the
+    call is declined (`_plan_of`), and runs on the values as a generic one does."""
+
+
 def _meta_of(func: Callable, call: _Call):
     structure = _meta_outputs(func, call)
     if structure is _DataDependent:
-        raise ShapeError(f"{_name(func)}: output shape depends on values")
+        raise _ValueDependentShape(f"{_name(func)}: output shape depends on values")
     if structure is _Seeded:  # (the functions mapped onto batched kernels draw nothing)
         raise TypeError(f"{_name(func)} draws random numbers: it cannot run as one batched call")
     return structure
@@ -858,12 +956,24 @@ _INPLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "m
 
 
 def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-    """An in-place operation: an error on an expression (it has no storage), recorded out of
-    place for a plain tensor written with expressions, which then stands for its new value."""
+    """An in-place operation: on an expression, an augmented assignment rebinds it and any
+    other write is an error (it has no storage); recorded out of place for a plain tensor
+    written with expressions, which then stands for its new value."""
     target = args[0]
+    if isinstance(target, Expression) and name.startswith("__i"):
+        return _write_into_expression(func, name, target, args[1])
+    if isinstance(target, Expression) and name == "requires_grad_":
+        wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+        if not wanted and not target.requires_grad:
+            return target
+        raise TypeError(f"{_name(func)}({wanted}) on a flybatch expression of shape "
+                        f"{tuple(target.shape)}: an expression cannot be made a leaf of its own "
+                        "(gradients are computed batched, into parameters and input tensors); "
+                        "make the tensor that requires grad before passing it in")
     if isinstance(target, Expression):
         raise TypeError(f"{_name(func)} writes in place into a flybatch expression, which has no "
-                        f"storage; use the out-of-place form (e.g. `x = x + y` for `x += y`)")
+                        "storage; use the out-of-place form (e.g. `x = x.clamp(0, 1)` for "
+                        "`x.clamp_(0, 1)`; augmented assignments such as `x += y` work)")
     with torch._C.DisableTorchFunction():
         view = target._base is not None
     if view:  # the write would have to reach the tensor it views, and every other view of it
@@ -887,6 +997,94 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+def _write_into_expression(func: Callable, name: str, target: Expression, other: Any) -> Any:
+    """`h += x` (and `-=`, `*=`, ...) on an expression: its handle is pointed at the new value,
+    so every reference to it (`a = h`, a list holding h) sees the write, as eagerly. What
+    eagerly shares h's storage through views (`h[0]`, `h.view(...)`, `h.detach()`, or the
+    tensor h views) keeps the old value here: a read of it after the write raises, checked
+    before the next forward (`Graph._refuse_stale_reads`, `sharing_storage` below)."""
+    g, old, begin = target.graph, target.id, target.graph.n_nodes
+    # (through the operator itself: a scalar `loss += l` stays one esum of every term)
+    new = _OUT_OF_PLACE[name](target, other)
+    if not isinstance(new, Expression) or new.graph is not g:
+        raise TypeError(f"{_name(func)}: the value written into an expression of shape "
+                        f"{tuple(target.shape)} is not of its graph")
+    dtypes = g.node_dtypes  # (those of nodes not of the graph's dtype: the same is common)
+    if new.shape != target.shape or dtypes.get(new.id) is not dtypes.get(old):
+        new = _as_written_into(func, target, new)
+    if not torch.is_grad_enabled() and _requires_grad(target):
+        # Eagerly a write under no_grad changes the values, not the autograd history: the
+        # gradient still reaches what the expression was computed from, as through identity.
+        change = new - target
+        with torch.enable_grad():
+            new = target + change
+    _core.rebind(target, new)
+    g.writes.append((old, begin, new.id, func))
+    return target
+
+
+# `__iadd__` -> operator.add, ...: the out-of-place operators of the augmented assignments
+_OUT_OF_PLACE = {f"__i{op.rstrip('_')}__": getattr(operator, op) for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor")}
+
+# Functions whose result is, eagerly, a view of their first operand (writing one writes the
+# other), by name: torch's own, and the batched kernels that the capture records them as.
+_VIEW_FUNCTIONS = frozenset("""view view_as reshape reshape_as squeeze unsqueeze flatten
+    unflatten ravel t transpose swapaxes swapdims permute movedim moveaxis expand expand_as select
+    narrow chunk split split_with_sizes tensor_split unbind diagonal as_strided detach
+    __getitem__ unfold real imag alias contiguous _getitem_batched _transpose_batched _detached
+    _reshape_rows _narrow""".split())
+_VIEW_OPS = frozenset({"reshape", "pick", "slice", "transpose"})  # flybatch ops of those
+
+
+def _is_view(g: Graph, node: int) -> bool:
+    op = g.op_of(node)
+    if op.name in _VIEW_OPS:
+        return True
+    if op.name != "torch":
+        return False
+    fn = g.attr_of(node)[0]
+    if isinstance(fn, _Bound):
+        fn = fn.args[0] if fn.fn is _apply_template else fn.fn
+    return getattr(fn, "__name__", "") in _VIEW_FUNCTIONS
+
+
+def sharing_storage(g: Graph, writes: list) -> dict[int, tuple[int, str]]:
+    """For the in-place writes `(old node, first node of the write, its last node, function)`:
+    the nodes that eagerly share each written node's storage (up through the views it was
+    taken by to the tensor viewed, then down through the views taken of that before the write,
+    the old node included) -> (the write's last node, its function). A few array passes for
+    all the writes; only nodes of an op that can be a view are looked at one by one."""
+    codes = np.frombuffer(g.view("ops"), dtype=np.int32)
+    arg_ptr = np.frombuffer(g.view("arg_ptr"), dtype=np.int64)
+    arg_flat = np.frombuffer(g.view("arg_flat"), dtype=np.int64)
+    maybe_view = np.array([op.name in _VIEW_OPS or op.name == "torch" for op in _core.op_table()])
+    family_of: dict[int, int] = {}  # a node sharing storage -> the index of its write
+    olds = [old for old, *_ in writes]
+    family_of.update(zip(olds, range(len(olds))))
+    for k in np.nonzero(maybe_view[codes[olds]])[0].tolist():  # up from a written view
+        node = olds[k]
+        while _is_view(g, node) and g.args_of(node):
+            node = g.args_of(node)[0]
+        family_of[node] = k
+    todo = np.fromiter(family_of, dtype=np.int64)
+    while len(todo):  # the views of the nodes found so far, taken before their write
+        lo = arg_ptr[todo.min() + 1]
+        found = np.nonzero(np.isin(arg_flat[lo:], todo))[0] + lo
+        readers = np.searchsorted(arg_ptr, found, side="right") - 1
+        candidates = maybe_view[codes[readers]]
+        more = []
+        for reader, position in zip(readers[candidates].tolist(), found[candidates].tolist()):
+            base = int(arg_flat[position])
+            k = family_of[base]
+            if reader not in family_of and reader < writes[k][1] \
+                    and g.args_of(reader)[:1] == (base,) and _is_view(g, reader):
+                family_of[reader] = k
+                more.append(reader)
+        todo = np.array(more, dtype=np.int64)
+    return {node: (writes[k][2], writes[k][3]) for node, k in family_of.items()}
 
 
 # In-place writes that replace the values, by what they write.
@@ -941,18 +1139,51 @@ def _getitem_batched(key, batch):
 
 
 def getitem(x: Expression, key: Any) -> Any:
-    keys = key if isinstance(key, tuple) else (key,)
-    # A 0-d integer tensor indexes as the int it holds (its meta stand-in has no value).
-    keys = tuple(int(k) if isinstance(k, torch.Tensor) and k.dim() == 0 and
-                 not k.is_floating_point() and k.dtype != torch.bool else k for k in keys)
+    keys = _held_ints(key if isinstance(key, tuple) else (key,))
     for k in keys:
         if isinstance(k, (bool, np.bool_, float)):
             raise IndexError(f"{x!r}[{key!r}]: only integers, slices, None, ... and integer "
                              "tensors are valid indices")
     if any(isinstance(k, (torch.Tensor, Expression, list, np.ndarray)) for k in keys):
+        selected = _by_computed_indices(x, keys)
+        if selected is not None:
+            return selected
         return _generic(torch.Tensor.__getitem__, (x, key), {})
 
     return _record(getitem, (x, keys), None, _getitem_plan)
+
+
+def _held_ints(keys: tuple) -> tuple:
+    """A 0-d integer tensor indexes as the int it holds (its meta stand-in has no value)."""
+    return tuple(int(k) if isinstance(k, torch.Tensor) and k.dim() == 0 and
+                 not k.is_floating_point() and k.dtype != torch.bool else k for k in keys)
+
+
+def _is_computed_index(k: Any) -> bool:
+    return isinstance(k, Expression) and k.dim() == 0 and k.dtype in (torch.int64, torch.int32)
+
+
+def _by_computed_indices(x: Any, keys: tuple) -> Any:
+    """`x[j]`, `x[:, j]`, `x[i, j]`... with `j` a 0-d integer expression (an index computed per
+    instance: `topk`'s, `argmax(dim)`'s): eagerly it indexes as the int it holds, a select, whose
+    shape no meta run can find (the stand-in holds no value). Recorded as one index_select per
+    such index (a negative one counts from the end, as eagerly; one out of range fails its
+    forward, naming the op), batched over instances. None for any other key."""
+    if not any(_is_computed_index(k) for k in keys) or \
+            not all(type(k) in (int, slice) or _is_computed_index(k) for k in keys):
+        return None
+    out, dim = x, 0
+    for k in keys:
+        if type(k) is slice:
+            if k != slice(None):
+                out = out[(slice(None),) * dim + (k,)]
+            dim += 1
+        elif type(k) is int:
+            out = out.select(dim, k)
+        else:
+            k = torch.where(torch.lt(k, 0), k + out.shape[dim], k)
+            out = out.index_select(dim, k.reshape(1)).squeeze(dim)
+    return out
 
 
 def _getitem_plan(call: _Call):
@@ -1020,18 +1251,27 @@ def _tensor_getitem(x, key):
     embedding call, whatever the rows); an expression goes to `getitem`."""
     if isinstance(x, Expression):
         return x[key]
+    if type(key) is int:  # the commonest part (`U_f[0]`, `E[w]`): no tensor in the key
+        keys = (key,)
+    else:
+        keys = _held_ints(key if isinstance(key, tuple) else (key,))
+        selected = _by_computed_indices(x, keys)
+        if selected is not None:
+            return selected
+        key = keys if isinstance(key, tuple) else keys[0]
     if not (x.requires_grad and x.is_leaf and x.dtype.is_floating_point and x.dim() >= 1):
         return NotImplemented
+    if type(key) is int and x.dim() == 2:
+        row = ops.lookup(x, key)
+        row.graph.note_row_view(row.id, x, key)
+        return row
     if type(key) is int:
-        if x.dim() == 2:
-            return ops.lookup(x, key)
-        key_id = ("tuple", key)  # _key((key,)), the commonest part (`U_f[0]`) keyed directly
-    else:
-        keys = key if isinstance(key, tuple) else (key,)
-        if not all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
-            return NotImplemented
+        key_id = ("tuple", key)  # _key(keys), keyed directly
+    elif all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
         key_id = _key(keys)
-    # A constant part of a parameter: one shared parameter node per graph.
+    else:
+        return NotImplemented
+    # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
     g = current_graph()
     return Expression(g, g.parameter_view_node(x, key, key_id))
 
@@ -1940,6 +2180,29 @@ for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.spli
                        (T.unbind, 0), (torch.unbind, 0), (T.split_with_sizes, 1)):
     _register((_func,), _pieces(_func, _dim_at))
     _PLANNED[_func] = (_HANDLERS[_func], ())
+
+
+def _tensor_of_values(func: Callable):
+    """`torch.tensor(data)` (or `as_tensor`, `asarray`) of expressions, such as a list of
+    scalar scores: a plain tensor of their values, new and without gradient history, as
+    eagerly: a value request. `as_tensor` / `asarray` of an expression alone is the expression,
+    as they return a tensor itself."""
+    def handler(data, *args, **kwargs):
+        leaves = [x for x in pytree.tree_leaves(data) if isinstance(x, Expression)]
+        if not leaves:
+            return NotImplemented
+        if func is not torch.tensor and isinstance(data, Expression) and not args \
+                and kwargs.get("dtype") in (None, data.dtype) and not kwargs.get("copy"):
+            return data
+        values = {id(x): x.value().detach() for x in leaves}
+        data = pytree.tree_map(lambda x: values[id(x)] if isinstance(x, Expression) else x, data)
+        with torch._C.DisableTorchFunction():
+            return func(data, *args, **kwargs)
+    return handler
+
+
+for _func in (torch.tensor, torch.as_tensor, torch.asarray):
+    _register((_func,), _tensor_of_values(_func))
 _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _group_norm)
@@ -2052,9 +2315,41 @@ _PROPERTIES = {
     "T": property(lambda self: torch_call(T.permute, (self, tuple(range(len(self.shape)))[::-1]),
                                           {})),
     "mT": property(lambda self: torch_call(T.transpose, (self, -2, -1), {})),
+    # (the conjugate transposes of a real expression: the graph's dtypes are real)
+    "mH": property(lambda self: torch_call(T.transpose, (self, -2, -1), {})),
+    "H": property(lambda self: torch_call(T.adjoint, (self,), {}) if len(self.shape) == 2
+                  else _refuse_h(self)),
+    "grad_fn": property(lambda self: _BATCHED_GRAD_FN if _requires_grad(self) else None),
     "is_cuda": property(lambda self: (self.graph.device or torch.device("cpu")).type == "cuda"),
     "layout": property(lambda self: torch.strided),
 }
+
+
+def _refuse_h(self):
+    raise RuntimeError(f"tensor.H is only supported on matrices (2-D tensors); the expression "
+                       f"has shape {tuple(self.shape)}")
+
+
+class _BatchedGradFn:
+    """An expression's `grad_fn` where gradient flows into it (code tests `x.grad_fn is None`):
+    its backward runs batched with other instances', never as a node of its own."""
+
+    def name(self) -> str:
+        return "FlybatchBatchedBackward"
+
+    def __repr__(self) -> str:
+        return f"<{self.name()}>"
+
+
+_BATCHED_GRAD_FN = _BatchedGradFn()
+
+
+def _refuse_setitem(self, key, value) -> None:
+    raise TypeError(f"item assignment into a flybatch expression (x[{key!r}] = ... on shape "
+                    f"{tuple(self.shape)}) is not supported: an expression has no storage. "
+                    "Build the value out of place (torch.cat, torch.where, masked_fill, "
+                    "scatter), or write into a plain tensor (`out = torch.zeros(n, H)`, then "
+                    "`out[i] = h`)")
 
 
 def _described_like_a_tensor(name: str) -> property:
@@ -2081,8 +2376,15 @@ _OWN = {
     "__pow__": _method(T.__pow__), "__rpow__": _method(T.__rpow__),
     "__mod__": _method(T.__mod__), "__floordiv__": _method(T.__floordiv__),
     "__abs__": _method(T.__abs__), "__invert__": _method(T.__invert__),
-    "__and__": _method(T.__and__), "__or__": _method(T.__or__),
+    "__and__": _method(T.__and__), "__or__": _method(T.__or__), "__xor__": _method(T.__xor__),
+    "__pos__": _method(T.__pos__), "__reversed__": _method(T.__reversed__),
+    "__setitem__": _refuse_setitem,
+    "__array__": lambda self, dtype=None, copy=None:  # `np.array(x)`: the values, as .numpy()
+        self.value().detach().cpu().numpy().astype(dtype or None, copy=False),
 }
+# `h += x`...: the write, seen through every reference to h (`_write_into_expression`)
+_OWN.update({name: (lambda func, name: lambda self, other: _write_into_expression(
+    func, name, self, other))(getattr(T, name), name) for name in _OUT_OF_PLACE})
 # Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
 # (a Python int, as always), the operators the C type implements, comparisons that return bool.
 _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",

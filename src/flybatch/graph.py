@@ -265,11 +265,24 @@ class Graph(_core.Store):
         # Plain tensors written in place with expressions by captured torch code
         # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
         self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
+        # In-place writes into expressions (`h += x` rebinds h's handle, capture.py): (old
+        # node, first node of the write, its last node, function), and, worked out before the
+        # next forward, the nodes that eagerly share storage with what was written (its old
+        # node and the views around it), which would show the write: reading one after it
+        # raises (`_refuse_stale_reads`). node -> (the write's last node, its function).
+        self.writes: list[tuple[int, int, int, Callable]] = []
+        self.overwritten: dict[int, tuple[int, Callable]] = {}
+        self._stale_arrays: tuple[np.ndarray, np.ndarray] | None = None  # sorted nodes, points
         # The node store is the compiled base class, with this graph's signature table
         # (`sig_ids`: key -> int, and `sig_keys`: int -> key, which stays after close so that
         # `stats()` can still describe the launches).
         self.tags: dict[int, tuple] = {}  # id(obj) -> (obj, its tag, ...): signatures.remember
         self._leaf_nodes: dict[Any, int] = {}  # parameters and interned constants, one node each
+        # `W[i]` of a 2-D parameter is, eagerly, a view of its row: a write into W in place is
+        # seen by every later use of it. Here it is a lookup (all rows of a table batch into
+        # one call), so its computed row is brought up to date after such a write: storage of
+        # the table -> (node, the table's tensor when the row was taken, row).
+        self.row_views: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         # Execution state: node -> (batch, row) of `values` lives in the store's node_batch and
         # node_row columns, filled by the scheduler; nodes below `n_done` (a store field) are
         # computed.
@@ -394,6 +407,24 @@ class Graph(_core.Store):
             self.set_parameter_tag(node, signatures.tag(self, view))
         return node
 
+    def note_row_view(self, node: int, table: torch.Tensor, row: int) -> None:
+        """Node `node` is `table[row]`, a view of the row in eager torch (see `row_views`)."""
+        with _no_capture():  # (detach: the storage it is a view of now, were `.data` rebound)
+            held = table.detach()
+            self.row_views.setdefault(held.untyped_storage().data_ptr(), []).append(
+                (node, held, row))
+
+    def refresh_row_views(self, storages: set[int]) -> None:
+        """After an in-place write into the tensors of `storages`: the computed rows taken as
+        views of them hold what the views hold now (pending ones read it when they run). As
+        eagerly, a use saved for backward before the write then fails its version check."""
+        with _no_capture(), torch.no_grad():
+            for storage in storages:
+                for node, table, row in self.row_views.get(storage, ()):
+                    if node < self.n_done:
+                        batch, position = self.position(node)
+                        self.values[batch][position].copy_(table[row])
+
     def check_tensor(self, op: str, tensor: torch.Tensor) -> None:
         """A parameter or table must match the graph's dtype and device (the first one fixes
         the device when the graph was given none): mixing them would fail only later, inside
@@ -508,6 +539,44 @@ class Graph(_core.Store):
                 "the old values, where eagerly it would show the write. Take the view after "
                 "the write (e.g. index the tensor where the view is used)")
 
+    def _refuse_stale_reads(self, start: int, end: int, exprs: Sequence[Expression]) -> None:
+        """Before a forward: no node made after an in-place write into an expression reads
+        what eagerly shares storage with it (a view taken before the write, or the tensor
+        viewed when the write went through a view), and no such node's value is asked for:
+        eagerly they would show the write, here they hold the old values."""
+        if self._stale_arrays is None:
+            nodes = np.fromiter(self.overwritten, dtype=np.int64)
+            order = np.argsort(nodes)
+            points = np.fromiter((p for p, _ in self.overwritten.values()), dtype=np.int64)
+            self._stale_arrays = nodes[order], points[order]
+        nodes, points = self._stale_arrays
+        arg_ptr = np.frombuffer(self.view("arg_ptr"), dtype=np.int64)
+        arg_flat = np.frombuffer(self.view("arg_flat"), dtype=np.int64)
+        first = max(start, int(points.min()) + 1)
+        reads = arg_flat[arg_ptr[first]:arg_ptr[end]]
+        hits = np.nonzero(np.isin(reads, nodes))[0]
+        if len(hits):
+            readers = np.searchsorted(arg_ptr, hits + arg_ptr[first], side="right") - 1
+            late = readers > points[np.searchsorted(nodes, reads[hits])]
+            if late.any():
+                k = int(np.argmax(late))
+                reader = int(readers[k])
+                where = (self.origins or {}).get(reader) or \
+                    "(fb.Graph(debug=True) names the line)"
+                self._stale(int(reads[hits[k]]), f"a {self.op_of(reader).name} node {where}")
+        for e in exprs:
+            if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
+                self._stale(e.id, "a value request")
+
+    def _stale(self, node: int, reader: str) -> None:
+        point, func = self.overwritten[node]
+        written = f"Tensor.{func.__name__} (shape {self.shape_of(point)})"
+        raise RuntimeError(
+            f"{reader} reads an expression of shape {self.shape_of(node)} that shares storage, "
+            f"eagerly, with an expression later written in place by {written}: eagerly it "
+            "would show the write, here it holds the old values. Take the view again after the "
+            "write, or write out of place (`h = h + x` for `h += x`)")
+
     def _lookup_tag(self, table: torch.Tensor) -> tuple:
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
         keeps it until close)."""
@@ -538,6 +607,14 @@ class Graph(_core.Store):
         """
         self._check_open()
         start, end = self.n_done, self.n_nodes
+        if self.writes:
+            from .capture import sharing_storage  # (capture.py builds on this module)
+            self.overwritten.update(sharing_storage(self, self.writes))
+            self.writes, self._stale_arrays = [], None
+        if self.overwritten:
+            if exprs is not None and not isinstance(exprs, (list, tuple)):
+                exprs = list(exprs)
+            self._refuse_stale_reads(start, end, exprs or ())
         if end > start:
             now = self._count_build()
             self._grow_positions(end)
@@ -701,6 +778,7 @@ class Graph(_core.Store):
         self.padded = set()
         self.sinks = {}
         self._leaf_nodes = {}
+        self.row_views = {}
         self.tags = {}
         self.shadows = {}
 

@@ -18,7 +18,9 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   over signatures (a launch takes every ready node of its signature; a signature all of whose
   remaining nodes are ready runs first, which is exact; otherwise the critical path, or the
   squared heights of the ready nodes, picks), the critical-path one also built backwards from
-  the end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin. Never
+  the end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin; last,
+  on small forwards, a climb: the winning list schedule re-run with one more of its choices
+  that split a group flipped to the second-best signature, kept when it launches less. Never
   worse than `depth` or `agenda`; a candidate whose launches and a lower bound on those it
   still needs reach the best so far stops early.
 

@@ -447,6 +447,91 @@ def beam_loss(B, P, steps):
     return B.esum([B.pick_neg_log_softmax(B.matmul(P["M2"], h), k) for k, h in enumerate(beam)])
 
 
+# ---- a 2-D grid RNN over per-instance grids of different sizes --------------------------------
+def make_grid(rng: random.Random):
+    """A grid of 1-4 rows by 1-5 columns of word ids (an image patch, a table)."""
+    rows, cols = rng.randint(1, 4), rng.randint(1, 5)
+    return [[rng.randrange(VOCAB) for _ in range(cols)] for _ in range(rows)]
+
+
+def grid_rnn_loss(B, P, grid):
+    """Cell (i, j) reads the cells above and to its left (zeros at the borders), so a cell's
+    depth is i + j: anti-diagonals of grids of different shapes line up, and the cells of the
+    first row and column take a different op (no state from outside) at every depth."""
+    rows, cols = len(grid), len(grid[0])
+    h: dict = {}
+    for i in range(rows):
+        for j in range(cols):
+            x = B.lookup(P["E"], grid[i][j])
+            if i == 0 and j == 0:
+                h[i, j] = B.tanh(B.affine(P["M1"], x, P["m1"]))
+            elif i == 0 or j == 0:  # one neighbour: the border rule
+                h[i, j] = B.tanh(B.matmul(P["A"], h[i - 1, j] if i else h[i, j - 1]) + x)
+            else:
+                both = B.concat([h[i - 1, j], h[i, j - 1]])
+                h[i, j] = B.tanh(B.affine(P["W_comp"], both, P["b_comp"]) + x)
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], h[rows - 1, cols - 1]), (rows * cols) % LABELS)
+
+
+# ---- a graph network: per-instance message passing on random graphs ----------------------------
+def make_message_graph(rng: random.Random):
+    """2-7 nodes with a word each, random directed edges, and 1-3 rounds of message passing."""
+    n = rng.randint(2, 7)
+    edges = [(u, v) for u in range(n) for v in range(n) if u != v and rng.random() < 0.3]
+    return [rng.randrange(VOCAB) for _ in range(n)], edges, rng.randint(1, 3)
+
+
+def message_passing_loss(B, P, graph):
+    """Each round, every node sums the messages `tanh(A h_u)` of its in-neighbours (a node with
+    none keeps its state through a different op) and updates with a GRU-like gate; the readout
+    takes the max over nodes. Nodes of one round have different in-degrees (esum of any
+    length) and the instances different numbers of rounds."""
+    words, edges, rounds = graph
+    h = [B.tanh(B.lookup(P["E"], w)) for w in words]
+    for _ in range(rounds):
+        messages = [B.tanh(B.matmul(P["A"], hu)) for hu in h]
+        incoming: dict[int, list] = {}
+        for u, v in edges:
+            incoming.setdefault(v, []).append(messages[u])
+        new = []
+        for v, hv in enumerate(h):
+            if v not in incoming:
+                new.append(B.tanh(B.affine(P["Wf"], hv, P["bf"])))
+                continue
+            m = B.esum(incoming[v])
+            z = B.sigmoid(B.affine(P["Wz"], B.concat([hv, m]), P["bz"]))
+            new.append(z * hv + (1.0 - z) * B.tanh(B.matmul(P["Bm"], m)))
+        h = new
+    return B.pick_neg_log_softmax(B.matmul(P["M2"], B.emax(h)), len(edges) % LABELS)
+
+
+# ---- a multi-task model: per-instance heads of different op sequences ------------------------
+def make_multi_task(rng: random.Random):
+    return rng.randrange(3), [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+
+
+def multi_task_loss(B, P, instance):
+    """A shared RNN encoder over 1-6 words, then the instance's task picks its head: a
+    classifier (2 ops), a gated refinement (5 ops) or a 2-step decoder whose steps reuse the
+    encoder's cell. The same op types (tanh, the encoder's product) appear at very different
+    depths in different instances."""
+    task, words = instance
+    h = B.zeros(H)
+    for w in words:
+        h = B.tanh(B.affine(P["M1"], h, P["m1"]) + B.lookup(P["E"], w))
+    if task == 0:
+        return B.pick_neg_log_softmax(B.matmul(P["M2"], B.relu(B.matmul(P["A"], h))), 0)
+    if task == 1:
+        gate = B.sigmoid(B.matmul(P["Bm"], h))
+        h = gate * B.tanh(B.affine(P["Wf"], h, P["bf"])) + (1.0 - gate) * h
+        return B.pick_neg_log_softmax(B.matmul(P["M2"], h), 1)
+    losses = []
+    for label in (1, 2):
+        h = B.tanh(B.affine(P["M1"], h, P["m1"]) + B.lookup(P["E"], label))
+        losses.append(B.pick_neg_log_softmax(B.matmul(P["M2"], h), label))
+    return B.esum(losses)
+
+
 FAMILIES = (
     Family("tree-gru-mlp", lambda rng: _random_tree(rng, rng.randint(2, 9)), tree_gru_loss),
     Family("lattice-lstm", make_lattice, lattice_loss),
@@ -463,6 +548,9 @@ FAMILIES = (
     Family("skip-chain", make_skip_chain, skip_chain_loss),
     Family("refinement", make_refinement, refinement_loss, value_requests=True),
     Family("beam-search", make_beam, beam_loss, value_requests=True),
+    Family("grid-rnn", make_grid, grid_rnn_loss),
+    Family("message-passing", make_message_graph, message_passing_loss),
+    Family("multi-task", make_multi_task, multi_task_loss),
 )
 
 
