@@ -17,6 +17,8 @@
 // stored there (NotImplemented, a recipe the handler applies itself) is returned as it is.
 #include "store.h"
 
+#include <cstring>
+
 namespace flybatch {
 
 i64 operand_node(Store* g, PyObject* x);  // rules.cpp: an operand's node (may call Python)
@@ -45,6 +47,8 @@ PyObject* s_open_list = nullptr;        // "["
 PyObject* s_close = nullptr;            // ")"
 PyObject* s_bar = nullptr;              // "|"
 PyObject* s_slice = nullptr;            // "slice"
+PyObject* s_float = nullptr;            // "float"
+PyObject* s_bool = nullptr;             // "bool"
 PyObject* s_requires_grad = nullptr;    // "requires_grad"
 PyObject* s_is_leaf = nullptr;          // "is_leaf"
 PyObject* s_dunder = nullptr;           // "__"
@@ -54,9 +58,25 @@ PyObject* g_no_args = nullptr;          // ()
 PyObject* s_is_cpu = nullptr;           // "is_cpu"
 PyObject* s_shape_attr = nullptr;       // "shape"
 PyObject* s_index_input = nullptr;      // "index input"
+PyObject* s_item = nullptr;             // "item"
 
 void append(PyObject* list, PyObject* item) {  // borrows item
   if (PyList_Append(list, item) < 0) throw PythonError{};
+}
+
+// isinstance(x, torch.Tensor), without the metaclass's __instancecheck__ call (~500
+// instructions) for the common cases: a tensor (or subclass) by its type, and the plain scalars
+// and containers that fill argument lists (torch.Tensor's metaclass makes no virtual
+// subclasses).
+bool is_tensor(PyObject* x) {
+  if (PyType_IsSubtype(Py_TYPE(x), reinterpret_cast<PyTypeObject*>(g_tensor_type))) return true;
+  if (PyLong_CheckExact(x) || PyFloat_CheckExact(x) || x == Py_None || PyBool_Check(x) ||
+      PyUnicode_CheckExact(x) || PyList_CheckExact(x) || PyTuple_CheckExact(x) ||
+      PyDict_CheckExact(x) || PySlice_Check(x) || PyObject_TypeCheck(x, &ExpressionBase))
+    return false;
+  const int tensor = PyObject_IsInstance(x, g_tensor_type);
+  if (tensor < 0) throw PythonError{};
+  return tensor;
 }
 
 // Graph.dtype (a new reference): the graph's `_dtype` once fixed, without calling the property
@@ -88,7 +108,9 @@ i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
       if (PyErr_Occurred()) throw PythonError{};
       return -1;  // not one element
     }
-  Owned value{PyNumber_Long(x)};
+  // (`x.item()`: an int for these dtypes, in a third of the time of int(x))
+  Owned item{PyObject_CallMethodNoArgs(x, s_item)};
+  Owned value{PyNumber_Long(item.get())};
   Owned key{PyTuple_Pack(3, s_index_input, shape.get(), dtype.get())};
   PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, shape.get(), key.get(), Py_None,
                            value.get()};
@@ -170,9 +192,7 @@ struct TakeApart {
       Expression* e = reinterpret_cast<Expression*>(x);
       return slot(e->graph == g ? e->id : operand_node(g, x), from_weight);  // raises if foreign
     }
-    const int tensor = PyObject_IsInstance(x, g_tensor_type);
-    if (tensor < 0) throw PythonError{};
-    if (tensor) return slot(tensor_node(x), from_weight);
+    if (is_tensor(x)) return slot(tensor_node(x), from_weight);
     const bool is_tuple = PyTuple_CheckExact(x), is_list = PyList_CheckExact(x);
     if (is_tuple || is_list) {
       append(key, is_tuple ? s_open_tuple : s_open_list);
@@ -197,6 +217,15 @@ struct TakeApart {
         append(key, k.get());
         return Py_NewRef(x);
       }
+    }
+    // A float or bool keyed as _key keys it, without its Python call: F.* functions pass
+    // constants such as `label_smoothing=0.0` to every call.
+    if (PyFloat_CheckExact(x) || PyBool_Check(x)) {
+      const bool is_float = PyFloat_CheckExact(x);
+      Owned part{is_float ? checked(PyObject_Repr(x)) : Py_NewRef(x)};
+      Owned k{PyTuple_Pack(2, is_float ? s_float : s_bool, part.get())};
+      append(key, k.get());
+      return Py_NewRef(x);
     }
     Owned k{PyObject_CallOneArg(g_key_of, x)};
     append(key, k.get());
@@ -423,6 +452,9 @@ PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> 
 PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
 PyObject* g_unhandled = nullptr;        // capture._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
+PyObject* g_planned = nullptr;          // capture._PLANNED: F.linear, Tensor.view... -> (handler, weights)
+PyObject* g_recipe_type = nullptr;      // capture._Recipe
+PyObject* s_apply = nullptr;            // "apply"
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
@@ -452,18 +484,6 @@ bool contains(PyObject* set, PyObject* item) {
   const int found = PySet_Contains(set, item);
   if (found < 0) throw PythonError{};
   return found;
-}
-
-// isinstance(x, torch.Tensor), without the metaclass's __instancecheck__ call for the common
-// cases: a tensor (or subclass) by its type, and the plain scalars that fill argument lists.
-bool is_tensor(PyObject* x) {
-  if (PyType_IsSubtype(Py_TYPE(x), reinterpret_cast<PyTypeObject*>(g_tensor_type))) return true;
-  if (PyLong_CheckExact(x) || PyFloat_CheckExact(x) || x == Py_None || PyBool_Check(x) ||
-      PyUnicode_CheckExact(x))
-    return false;
-  const int tensor = PyObject_IsInstance(x, g_tensor_type);
-  if (tensor < 0) throw PythonError{};
-  return tensor;
 }
 
 // The scan of a call's tensor arguments for a shadowed tensor or a parameter. What it needs of
@@ -660,6 +680,49 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(PyObject_CallOneArg(op, x));
 }
 
+// The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
+// chunk / split), taken by that plan without the handler's Python frames (~7k F.linear calls
+// per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the handler would pass on
+// as it is: no keywords, no None, an expression first and no operand led by a length (the
+// handler's row-wise plans), every other tensor a parameter the graph of that expression has
+// met (the node it resolves to is made already: resolving the operands again in the handler,
+// where this path declines, adds no node).
+// NULL (no error) where the handler decides: any other call, a first sight, a declined key.
+PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (PyDict_GET_SIZE(kwargs)) return nullptr;
+  PyObject* entry = PyDict_GetItemWithError(g_planned, func);  // borrowed
+  if (!entry) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n == 0 || Py_TYPE(PyTuple_GET_ITEM(args, 0)) !=
+                    reinterpret_cast<PyTypeObject*>(g_expression_type))
+    return nullptr;
+  const Store* g = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0))->graph;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = PyTuple_GET_ITEM(args, i);
+    if (x == Py_None) return nullptr;
+    if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {  // sizes, a shape: no operands
+      for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(x); ++k)
+        if (!PyLong_CheckExact(PySequence_Fast_GET_ITEM(x, k))) return nullptr;
+    } else if (PyObject_TypeCheck(x, &ExpressionBase)) {
+      const Expression* e = reinterpret_cast<Expression*>(x);
+      if (length_led(e->graph, e->id)) return nullptr;
+    } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
+      if (!g->parameters->count(x)) return nullptr;
+    }
+  }
+  PyObject* handler = PyTuple_GET_ITEM(entry, 0);
+  PyObject* call[5] = {Py_None, args, Py_None, PyTuple_GET_ITEM(entry, 1), handler};
+  Owned out{take_apart(nullptr, call, 5)};
+  if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();  // a plan's node
+  const int recipe = PyObject_IsInstance(out.get(), g_recipe_type);
+  if (recipe < 0) throw PythonError{};
+  if (recipe) return checked(PyObject_CallMethodOneArg(out.get(), s_apply, args));
+  return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+}
+
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
@@ -684,6 +747,7 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
   if (!out_arg && PyErr_Occurred()) throw PythonError{};
   const bool written_out = out_arg && out_arg != Py_None;
   if (PyObject* out = written_out ? nullptr : fb_unary(func, args, kwargs.get())) return out;
+  if (PyObject* out = written_out ? nullptr : planned(func, args, kwargs.get())) return out;
   PyObject* handler = written_out ? nullptr : PyDict_GetItemWithError(g_handlers, func);
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
@@ -775,27 +839,49 @@ PyMethodDef kTorchFunction = {
     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
     METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
 
+// torch calls a mode as PyObject_CallMethod(mode, "__torch_function__", ...): the name as a C
+// string, so each call makes a fresh str, which misses the type's attribute cache and is
+// looked up dict by dict along the MRO (~1.3k instructions per recorded call). PyObject_
+// GetAttrString takes a type's `tp_getattr` (by C string) first where it has one: the capture
+// mode's looks that name up by an interned str instead, any other name as getattr would.
+// Python's own attribute access goes through `tp_getattro` and never sees it.
+PyObject* s_torch_function_name = nullptr;  // "__torch_function__"
+
+PyObject* mode_getattr(PyObject* self, char* name) {
+  if (std::strcmp(name, "__torch_function__") == 0)
+    return PyObject_GetAttr(self, s_torch_function_name);
+  PyObject* text = PyUnicode_FromString(name);
+  if (!text) return nullptr;
+  PyObject* value = PyObject_GetAttr(self, text);
+  Py_DECREF(text);
+  return value;
+}
+
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
     "rebound_attributes, forget, before_write, current, thread, handlers, refuse_inplace, "
-    "unhandled, fb_unary)\n\n"
+    "unhandled, fb_unary, planned, recipe_type)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
     "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, _before_write, graph._current, "
     "capture._thread, "
-    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY.";
+    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
-      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!:configure_front", &PyType_Type,
+      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops,
+      *planned_calls, *recipe_type;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!O!O!:configure_front", &PyType_Type,
                         &mode_class, &PyFrozenSet_Type, &describe, &PyFrozenSet_Type,
                         &reads_value, &PyFrozenSet_Type, &rebinds, &PyFrozenSet_Type, &recorded,
                         &PyFrozenSet_Type, &rebound, &forget, &before_write,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
-                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops))
+                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops,
+                        &PyDict_Type, &planned_calls, &PyType_Type, &recipe_type))
     return nullptr;
+  Py_XSETREF(g_planned, Py_NewRef(planned_calls));
+  Py_XSETREF(g_recipe_type, Py_NewRef(recipe_type));
   Py_XSETREF(g_fb_unary, Py_NewRef(fb_unary_ops));
   Py_XSETREF(g_describe, Py_NewRef(describe));
   Py_XSETREF(g_reads_value, Py_NewRef(reads_value));
@@ -816,6 +902,7 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   const int set = PyObject_SetAttrString(mode_class, "__torch_function__", method);
   Py_DECREF(method);
   if (set < 0) return nullptr;
+  reinterpret_cast<PyTypeObject*>(mode_class)->tp_getattr = mode_getattr;
   Py_RETURN_NONE;
 }
 
@@ -851,6 +938,8 @@ bool register_capture(PyObject* module) {
   s_close = PyUnicode_InternFromString(")");
   s_bar = PyUnicode_InternFromString("|");
   s_slice = PyUnicode_InternFromString("slice");
+  s_float = PyUnicode_InternFromString("float");
+  s_bool = PyUnicode_InternFromString("bool");
   s_fast = PyUnicode_InternFromString("fast");
   s_add = PyUnicode_InternFromString("add");
   s_name = PyUnicode_InternFromString("__name__");
@@ -865,12 +954,15 @@ bool register_capture(PyObject* module) {
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
+  s_item = PyUnicode_InternFromString("item");
+  s_torch_function_name = PyUnicode_InternFromString("__torch_function__");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_out = PyUnicode_InternFromString("out");
   s_inplace = PyUnicode_InternFromString("inplace");
-  return s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
-         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_fast && s_add && s_shadows &&
+  s_apply = PyUnicode_InternFromString("apply");
+  return s_torch_function_name && s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;

@@ -108,3 +108,55 @@ def test_each_thread_records_into_its_own_graph():
     for t in threads:
         t.join()
     assert results == {0: (True, 1, 0), 1: (True, 1, 0)}
+
+
+def test_a_calls_key_tells_floats_and_bools_apart_as_capture_key_does():
+    from flybatch import capture
+
+    constants = (1.5, -0.0, 0.0, float("nan"), True, 1, "sum", None)
+    with fb.Graph() as g:
+        x = fb.input(torch.ones(3))
+        key = _core.take_apart(g, (x,) + constants, None, ())[-1]
+    assert key == ("#",) + tuple(capture._key(c) for c in constants)
+    assert len(set(key)) == len(key)  # -0.0 is not 0.0, True is not 1
+
+
+def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
+    W = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    frozen = torch.randn(6, 4, dtype=torch.float64)  # no grad: the generic path, 3 nodes
+    x0 = torch.randn(4, dtype=torch.float64)
+    expected = F.linear(x0, W, b).detach()
+    with fb.Graph() as g:
+        x = fb.input(x0)
+        calls = [(lambda: F.linear(x, W, b), 1), (lambda: F.linear(x, W), 1),
+                 (lambda: x.unsqueeze(0), 1), (lambda: x.chunk(2), 2),
+                 (lambda: F.linear(x, frozen), 3)]
+        for call, nodes in calls:
+            call()  # the first sight makes the plan (and W's, b's parameter nodes)
+            for _ in range(3):
+                before = g.n_nodes
+                out = call()
+                assert g.n_nodes - before == nodes
+        torch.testing.assert_close(F.linear(x, W, b).value(), expected)
+        assert [p.value().tolist() for p in x.chunk(2)] == [x0[:2].tolist(), x0[2:].tolist()]
+
+
+def test_the_capture_mode_and_an_expression_give_by_c_string_what_getattr_gives():
+    # torch looks __torch_function__ up with PyObject_GetAttrString (on a mode) and by C string
+    # through tp_getattr (on an argument), which both types answer with their own tp_getattr
+    # (csrc/capture.cpp mode_getattr, csrc/store.cpp expression_getattr)
+    import ctypes
+
+    from flybatch import capture
+
+    by_c_string = ctypes.pythonapi.PyObject_GetAttrString
+    by_c_string.restype, by_c_string.argtypes = ctypes.py_object, [ctypes.py_object, ctypes.c_char_p]
+    with fb.Graph():
+        x = fb.input(torch.ones(2))
+    for obj, names in ((capture._Capture(), ("__torch_function__", "__enter__", "__class__")),
+                       (x, ("__torch_function__", "graph", "id", "shape", "value"))):
+        for name in names:
+            assert by_c_string(obj, name.encode()) == getattr(obj, name)
+        with pytest.raises(AttributeError):
+            by_c_string(obj, b"no_such_attribute")

@@ -84,3 +84,11 @@ def test_a_row_taken_before_a_rebinding_keeps_the_storage_it_was_taken_of(strate
     with fb.Graph(strategy=strategy):
         program(torch.nn.Parameter(torch.ones(2, 2, dtype=F64)), got)
     assert got == expected
+
+
+def test_an_int_index_and_the_same_index_as_a_tuple_are_one_node():
+    U = torch.nn.Parameter(torch.randn(2, 3, 3, dtype=F64))
+    with fb.Graph():
+        assert U[1].id == U[(1,)].id == U[1].id != U[0].id
+        assert U[True].shape == (1, 2, 3, 3)  # a bool is no int index: torch adds a dim
+        torch.testing.assert_close(U[1].value(), U.detach()[1])

@@ -1251,22 +1251,29 @@ def _tensor_getitem(x, key):
     embedding call, whatever the rows); an expression goes to `getitem`."""
     if isinstance(x, Expression):
         return x[key]
-    keys = _held_ints(key if isinstance(key, tuple) else (key,))
-    selected = _by_computed_indices(x, keys)
-    if selected is not None:
-        return selected
-    key = keys if isinstance(key, tuple) else keys[0]
-    if not (x.requires_grad and x.is_leaf and x.is_floating_point() and x.dim() >= 1):
+    if type(key) is int:  # the commonest part (`U_f[0]`, `E[w]`): no tensor in the key
+        keys = (key,)
+    else:
+        keys = _held_ints(key if isinstance(key, tuple) else (key,))
+        selected = _by_computed_indices(x, keys)
+        if selected is not None:
+            return selected
+        key = keys if isinstance(key, tuple) else keys[0]
+    if not (x.requires_grad and x.is_leaf and x.dtype.is_floating_point and x.dim() >= 1):
         return NotImplemented
     if type(key) is int and x.dim() == 2:
         row = ops.lookup(x, key)
         row.graph.note_row_view(row.id, x, key)
         return row
-    if all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
-        # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
-        g = current_graph()
-        return Expression(g, g.parameter_view_node(x, key, _key(keys)))
-    return NotImplemented
+    if type(key) is int:
+        key_id = ("tuple", key)  # _key(keys), keyed directly
+    elif all(k is None or k is Ellipsis or type(k) in (int, slice) for k in keys):
+        key_id = _key(keys)
+    else:
+        return NotImplemented
+    # A constant part of a parameter (`U_f[0]`): one shared parameter node per graph.
+    g = current_graph()
+    return Expression(g, g.parameter_view_node(x, key, key_id))
 
 
 # ---- the fast mappings ------------------------------------------------------------------------
@@ -1590,9 +1597,9 @@ def _constant_row(g: Graph, index: Any) -> int | None:
     or a tensor written with one (then its value is not known yet); else None."""
     if type(index) is not torch.Tensor or id(index) in g.shadows:
         return None
-    if index.dtype not in _INDEX_DTYPES or index.numel() != 1 or index.device.type != "cpu":
+    if index.dtype not in _INDEX_DTYPES or index.numel() != 1 or not index.is_cpu:
         return None
-    return int(index)
+    return index.item()  # (an int, as int(index) gives it in a third of the time)
 
 
 def _lookup_rows(g: Graph, table: torch.Tensor, row: int, index_shape: tuple,
@@ -1735,13 +1742,13 @@ def _check_classes(label: str, args: tuple, kwargs: dict) -> None:
     x = args[0] if args else kwargs.get("input")
     target = args[1] if len(args) > 1 else kwargs.get("target")
     if not isinstance(target, torch.Tensor) or isinstance(target, Expression) or \
-            target.is_floating_point() or x is None or len(x.shape) not in (1, 2):
+            target.dtype.is_floating_point or x is None or len(x.shape) not in (1, 2):
         return
     classes = x.shape[-1]
     ignore = kwargs.get("ignore_index", args[4] if len(args) > 4 else -100)
     with torch._C.DisableTorchFunction():
         if target.numel() == 1:
-            low = high = int(target)
+            low = high = int(target.item())  # (int(target) takes 3x as long)
         elif target.numel() == 0:
             return
         else:
@@ -2036,10 +2043,14 @@ _HANDLERS: dict[Callable, Callable] = {}
 # The unary functions `_fb_unary` maps onto an fb op: `torch_call` applies the op itself to one
 # floating expression without other arguments, the commonest call, and calls the handler else.
 _FB_UNARY: dict[Callable, Callable] = {}
+# The functions whose handler only looks the call's plan up, as `_record(handler, args, kwargs,
+# build, weights)`: function -> (handler, weights). `torch_call` takes a known plan itself,
+# without the handler's Python frames, for a call the handler would pass on unchanged.
+_PLANNED: dict[Callable, tuple[Callable, tuple]] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled, _FB_UNARY)
+                      _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
 # methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
@@ -2121,6 +2132,7 @@ for _func in (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.sque
               torch.squeeze, T.unsqueeze, torch.unsqueeze, T.view_as, T.reshape_as, T.unflatten,
               torch.unflatten, T.contiguous, T.ravel, torch.ravel):
     _register((_func,), _reshape_like(_func))
+    _PLANNED[_func] = (_HANDLERS[_func], ())
 _register((torch.sum, T.sum), _shifted(torch.sum, 1, "sum", reduce_all=_reduce_all(ops.sum_elems)))
 _register((torch.mean, T.mean), _shifted(torch.mean, 1, "mean",
                                          reduce_all=_reduce_all(ops.mean_elems)))
@@ -2162,10 +2174,14 @@ for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, tor
     if _func is not None:
         _register((_func,), _elementwise(_func))
 _register((F.linear, torch._C._nn.linear), _linear)
+_PLANNED.update({F.linear: (_linear, (1, 2)), torch._C._nn.linear: (_linear, (1, 2))})
 _register((T.__getitem__,), _tensor_getitem)
 for _func, _dim_at in ((T.chunk, 1), (torch.chunk, 1), (T.split, 1), (torch.split, 1),
                        (T.unbind, 0), (torch.unbind, 0), (T.split_with_sizes, 1)):
     _register((_func,), _pieces(_func, _dim_at))
+    _PLANNED[_func] = (_HANDLERS[_func], ())
+
+
 def _tensor_of_values(func: Callable):
     """`torch.tensor(data)` (or `as_tensor`, `asarray`) of expressions, such as a list of
     scalar scores: a plain tensor of their values, new and without gradient history, as
