@@ -839,24 +839,6 @@ PyMethodDef kTorchFunction = {
     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
     METH_FASTCALL | METH_KEYWORDS, kTorchFunctionDoc};
 
-// torch calls a mode as PyObject_CallMethod(mode, "__torch_function__", ...): the name as a C
-// string, so each call makes a fresh str, which misses the type's attribute cache and is
-// looked up dict by dict along the MRO (~1.3k instructions per recorded call). PyObject_
-// GetAttrString takes a type's `tp_getattr` (by C string) first where it has one: the capture
-// mode's looks that name up by an interned str instead, any other name as getattr would.
-// Python's own attribute access goes through `tp_getattro` and never sees it.
-PyObject* s_torch_function_name = nullptr;  // "__torch_function__"
-
-PyObject* mode_getattr(PyObject* self, char* name) {
-  if (std::strcmp(name, "__torch_function__") == 0)
-    return PyObject_GetAttr(self, s_torch_function_name);
-  PyObject* text = PyUnicode_FromString(name);
-  if (!text) return nullptr;
-  PyObject* value = PyObject_GetAttr(self, text);
-  Py_DECREF(text);
-  return value;
-}
-
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
     "rebound_attributes, forget, before_write, current, thread, handlers, refuse_inplace, "
@@ -902,7 +884,8 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   const int set = PyObject_SetAttrString(mode_class, "__torch_function__", method);
   Py_DECREF(method);
   if (set < 0) return nullptr;
-  reinterpret_cast<PyTypeObject*>(mode_class)->tp_getattr = mode_getattr;
+  // (torch calls a mode's __torch_function__ by C string: store.cpp)
+  reinterpret_cast<PyTypeObject*>(mode_class)->tp_getattr = getattr_by_interned_torch_function;
   Py_RETURN_NONE;
 }
 
@@ -955,13 +938,12 @@ bool register_capture(PyObject* module) {
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
   s_item = PyUnicode_InternFromString("item");
-  s_torch_function_name = PyUnicode_InternFromString("__torch_function__");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_out = PyUnicode_InternFromString("out");
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
-  return s_torch_function_name && s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  return s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&

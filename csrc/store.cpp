@@ -880,25 +880,6 @@ const char kConfigureDoc[] =
     "expression, torch.Tensor and torch's query whether a torch function mode is on. graph.py\n"
     "calls it once at import.";
 
-// torch asks each argument of a call that is not a plain tensor for `__torch_function__` by C
-// string (torch/csrc/utils/python_strings.h, PyObject_FastGetAttrString): through the type's
-// `tp_getattr` where it has one, else with a fresh str per lookup, which misses the type's
-// attribute cache and is looked up dict by dict along the MRO (~1.1k instructions per torch
-// call on an expression). An Expression's `tp_getattr` looks that name up by an interned str,
-// any other name as getattr would. Python's own attribute access goes through `tp_getattro`
-// and never sees it.
-PyObject* s_torch_function_name = nullptr;  // "__torch_function__"
-
-PyObject* expression_getattr(PyObject* self, char* name) {
-  if (std::strcmp(name, "__torch_function__") == 0)
-    return PyObject_GetAttr(self, s_torch_function_name);
-  PyObject* text = PyUnicode_FromString(name);
-  if (!text) return nullptr;
-  PyObject* value = PyObject_GetAttr(self, text);
-  Py_DECREF(text);
-  return value;
-}
-
 PyObject* configure(PyObject*, PyObject* args) {
   PyObject *type, *error, *shape_error, *grad, *current, *tensor, *mode_enabled;
   if (!PyArg_ParseTuple(args, "O!OOOOOO:configure", &PyType_Type, &type, &error, &shape_error,
@@ -910,10 +891,7 @@ PyObject* configure(PyObject*, PyObject* args) {
                                      "_core.Expression with __slots__ = ()");
     return nullptr;
   }
-  if (!s_torch_function_name &&
-      !(s_torch_function_name = PyUnicode_InternFromString("__torch_function__")))
-    return nullptr;
-  reinterpret_cast<PyTypeObject*>(type)->tp_getattr = expression_getattr;
+  reinterpret_cast<PyTypeObject*>(type)->tp_getattr = getattr_by_interned_torch_function;
   Py_XSETREF(g_expression_type, Py_NewRef(type));
   Py_XSETREF(g_graph_error, Py_NewRef(error));
   Py_XSETREF(g_is_grad_enabled, Py_NewRef(grad));
@@ -1133,6 +1111,24 @@ PyObject* register_store(PyObject* module) {
     return nullptr;
   }
   return module;
+}
+
+// torch asks for `__torch_function__` by C string: each argument of a call that is not a plain
+// tensor (torch/csrc/utils/python_strings.h, PyObject_FastGetAttrString) and a mode at every
+// dispatch to it (PyObject_CallMethod). Through the type's `tp_getattr` where it has one, else
+// with a fresh str per lookup, which misses the type's attribute cache and is looked up dict by
+// dict along the MRO (~1.1-1.3k instructions per recorded call). This `tp_getattr`, given to
+// Expression and to the capture mode, looks that name up by an interned str, any other name as
+// getattr would. Python's own attribute access goes through `tp_getattro` and never sees it.
+PyObject* getattr_by_interned_torch_function(PyObject* self, char* name) {
+  static PyObject* const interned = PyUnicode_InternFromString("__torch_function__");
+  if (interned && std::strcmp(name, "__torch_function__") == 0)
+    return PyObject_GetAttr(self, interned);
+  PyObject* text = PyUnicode_FromString(name);
+  if (!text) return nullptr;
+  PyObject* value = PyObject_GetAttr(self, text);
+  Py_DECREF(text);
+  return value;
 }
 
 }  // namespace flybatch
