@@ -4,7 +4,9 @@ Each instance runs a random program of ordinary torch code over a pool of tensor
 and `nn` modules (Linear, LSTMCell, GRUCell, LayerNorm, Embedding), Tensor methods and
 operators, `torch.cat` / `stack` / `chunk`, the batch-of-one `[1, n]` row layout, reductions,
 softmaxes, losses, `torch.where`, `topk`, `masked_fill`, `cumsum`, `einsum`, an `nn.LSTM` over a
-short sequence, per-instance matrices, augmented assignments (`z += y`), indexing and slicing, `no_grad` regions, `.detach()`, value
+short sequence, a bidirectional `nn.GRU`, `nn.MultiheadAttention`, `nn.Bilinear`, `nn.Conv1d`,
+attention over a per-instance memory, `F.pad`, `bmm`, per-instance matrices, augmented
+assignments (`z += y`), indexing and slicing, `no_grad` regions, `.detach()`, value
 peeks that steer branches or pick embedding rows, writes of expressions into plain tensors,
 and (in a plain loop, where the order of draws is the program's) dropout. Inside `fb.Graph`
 under every strategy, and under `map_batched`, it must give eager PyTorch's values and the
@@ -30,7 +32,7 @@ VOCAB = 6
 KINDS = ("linear", "module", "unary", "binary", "cat_chunk", "stack", "row", "softmax",
          "reduce", "index", "slice", "lstm_cell", "gru_cell", "layer_norm", "embedding",
          "branch", "no_grad", "detach", "where", "write", "loss", "dropout", "topk", "masked",
-         "cumsum", "einsum", "normalize", "matrix", "sequence", "augmented")
+         "cumsum", "einsum", "normalize", "matrix", "sequence", "augmented", "gru_seq", "attention", "bilinear", "pad", "conv", "repeat", "mha", "var", "bmm", "softplus")
 instruction = st.tuples(st.sampled_from(KINDS), st.integers(0, 50), st.integers(0, 50))
 program = st.lists(instruction, min_size=1, max_size=8)
 
@@ -46,6 +48,10 @@ class Model(nn.Module):
         self.norm = nn.LayerNorm(H, dtype=F64)
         self.embedding = nn.Embedding(VOCAB, H, dtype=F64)
         self.rnn = nn.LSTM(H, H, dtype=F64)
+        self.gru_seq = nn.GRU(H, H, bidirectional=True, dtype=F64)
+        self.bilinear = nn.Bilinear(H, H, H, dtype=F64)
+        self.conv = nn.Conv1d(1, 2, 3, padding=1, dtype=F64)
+        self.mha = nn.MultiheadAttention(H, 2, dtype=F64)
         with torch.no_grad():  # the same values in every copy, whatever torch's seed
             for p in list(self.parameters())[1:]:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.5)
@@ -139,6 +145,32 @@ def run_program(m: Model, steps, x0: torch.Tensor, dropout: bool) -> list:
             z += y
             z *= 0.5
             pool.append(alias)
+        elif kind == "gru_seq":
+            out, h = m.gru_seq(torch.stack([x, y]).unsqueeze(1))
+            pool.append(out[0, 0, :H] + out[1, 0, H:] + h.sum(0).view(-1))
+        elif kind == "attention":  # scores over a per-instance memory of 3 rows
+            memory = torch.stack([x, y, x - y])
+            weights = F.softmax(memory @ x, dim=0)
+            pool.append(weights @ memory)
+        elif kind == "bilinear":
+            pool.append(m.bilinear(x.unsqueeze(0), y.unsqueeze(0)).squeeze(0))
+        elif kind == "pad":
+            pool.append(F.pad(x[1:], (0, 1)) + F.pad(y[:-1], (1, 0), value=0.5))
+        elif kind == "conv":
+            pool.append(m.conv(x.view(1, 1, H)).sum(1).view(H))
+        elif kind == "repeat":
+            pool.append(x.repeat(2)[k:k + H] * y.roll(1))
+        elif kind == "mha":
+            seq = torch.stack([x, y]).unsqueeze(1)
+            out, _ = m.mha(seq, seq, seq)
+            pool.append(out[1, 0])
+        elif kind == "var":
+            pool.append((x - x.mean()) / (x.var() + 1) + x.std() * y)
+        elif kind == "bmm":
+            a = torch.stack([torch.outer(x, y), torch.outer(y, x)])
+            pool.append(torch.bmm(a, a).sum((0, 1)))
+        elif kind == "softplus":
+            pool.append(F.softplus(x) - F.gelu(y) + F.elu(x) * F.leaky_relu(y))
         elif kind == "sequence":  # nn.LSTM over a short sequence of this instance
             out, (h, c) = m.rnn(torch.stack([x, y, x * y]).unsqueeze(1))
             pool.append(out[-1, 0] + h.view(H) * c.view(-1))
