@@ -163,7 +163,12 @@ def _before_write(target) -> Callable[[], None] | None:
     viewing = [g for g in viewing if not storages.isdisjoint(g.row_views)]
     if not viewing:
         return None
-    return lambda: [g.refresh_row_views(storages) for g in viewing if not g.closed] and None
+
+    def after_write() -> None:
+        for graph in viewing:
+            if not graph.closed:
+                graph.refresh_row_views(storages)
+    return after_write
 
 
 # An optimizer's step inside a graph block updates the parameters themselves: capture stays out
