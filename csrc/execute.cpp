@@ -78,6 +78,17 @@ class Planner {
       plan_.indices.resize(plan_.indices.size() + n);
       for (std::size_t i = 0; i < n; ++i) plan_.indices[out.inverse + order[i]] = i;
     }
+    if (out.length >= kWholeResultsMinParts) {  // each node's row in the whole results, in
+      out.whole = static_cast<i64>(plan_.indices.size());  // the nodes' order
+      plan_.indices.resize(plan_.indices.size() + n);
+      i64 first = 0;  // row of the current result's first row in the concatenation
+      for (std::size_t i = 0; i < n;) {
+        const i64 source = where(ids[order[i]]);
+        for (; i < n && where(ids[order[i]]) == source; ++i)
+          plan_.indices[out.whole + order[i]] = first + f_.node_row[ids[order[i]]];
+        first += f_.batch_size[source];
+      }
+    }
     return add(out);
   }
 

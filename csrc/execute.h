@@ -59,7 +59,14 @@ struct Read {
   i64 inverse = -1;  // multi: where the permutation back to the nodes' order starts in
                      // `indices` (as many entries as rows read), or -1 when none is needed
   i64 rows = 0;      // multi: rows read
+  i64 whole = -1;    // multi of kWholeResultsMinParts parts or more: where the nodes' rows in
+                     // the concatenation of the parts' WHOLE results (ascending by result)
+                     // start in `indices` (as many as rows read), for execution to read many
+                     // small results as one cat and one index_select; else -1
 };
+
+// From this many parts on, a multi read also carries its rows in the whole results (`whole`).
+inline constexpr i64 kWholeResultsMinParts = 8;
 
 // A batch's arguments: read ids args[begin .. end). `stacked`: the arity k of a variadic op
 // read as one [B * k] read (0 otherwise). `arities`: for a ragged op, where the length of each

@@ -470,7 +470,9 @@ PyObject* read_tuple(const flybatch::Read& r, const flybatch::ReadPlan& plan) {
     return checked(Py_BuildValue("(NLLL)", kind_name(r.kind), r.source, r.start, r.length));
   Owned parts(int_tuple(plan.parts.data() + r.start, static_cast<std::size_t>(r.length)));
   Owned inverse(r.inverse < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r.inverse));
-  return checked(Py_BuildValue("(NOOL)", kind_name(r.kind), parts.get(), inverse.get(), r.rows));
+  Owned whole(r.whole < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r.whole));
+  return checked(Py_BuildValue("(NOOLO)", kind_name(r.kind), parts.get(), inverse.get(), r.rows,
+                               whole.get()));
 }
 
 // (reads, batch_reads, fan_outs, indices): the ReadPlan as Python data (see kPlanReadsDoc).
@@ -513,7 +515,7 @@ const char kPlanReadsDoc[] =
     "first_batch: the global index of its first batch. The graph's columns (inputs, node_batch,\n"
     "node_row, batch_sizes) are read in place. Returns\n"
     "  reads: per read, ('view', source, start, length) | ('rows', source, at, length) |\n"
-    "         ('multi', part read ids, inverse at or None, rows);\n"
+    "         ('multi', part read ids, inverse at or None, rows, whole at or None);\n"
     "  batch_reads: per batch, (read ids of its arguments, stacked arity or 0, arities at or\n"
     "         None for a ragged op, widths at, lengths at or None: a padded op's nodes whose\n"
     "         first arguments differ in length, whether its nodes' shapes differ);\n"

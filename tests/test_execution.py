@@ -57,11 +57,20 @@ class Planned:
         if read[0] == "rows":
             _, source, at, length = read
             return [(source, r) for r in self.indices[at:at + length]]
-        _, parts, inverse, total = read
+        _, parts, inverse, total, _ = read
         stacked = [p for part in parts for p in self.positions(part, 1)]
         if inverse is None:
             return stacked
         return [stacked[i] for i in self.indices[inverse:inverse + total]]
+
+    def whole_positions(self, k: int) -> list[tuple[int, int]]:
+        """(batch, row) of each row of multi read `k` as its `whole` rows name them: rows of
+        the concatenation of its parts' whole results."""
+        _, parts, _, total, whole = self.reads[k]
+        sizes = np.frombuffer(self.graph.view("batch_sizes"), np.int32)
+        rows_of = [(source, row) for source in (self.reads[p][1] for p in parts)
+                   for row in range(sizes[source])]
+        return [rows_of[i] for i in self.indices[whole:whole + total]]
 
 
 def _inputs(k: int, width: int = 2) -> list[fb.Expression]:
@@ -110,13 +119,33 @@ def test_rows_of_several_results_are_one_read_per_result_then_put_back_in_order(
         products = [deep[0] * ss[1], deep[1] * es[0], deep[2] * ss[0]]
         planned = Planned(g)
         _, mixed = planned.read_ids_of(products[0])
-        kind, parts, inverse, rows = planned.reads[mixed]
+        kind, parts, inverse, rows, whole = planned.reads[mixed]
         assert kind == "multi" and rows == 3
+        assert whole is None  # two results: read part by part
         sources = [planned.reads[p][1] for p in parts]
         assert sources == sorted([planned.batch_of(ss[0]), planned.batch_of(es[0])])
         assert inverse is not None  # the results interleave: the concatenation is reordered
         assert planned.positions(mixed, 3) == [(planned.batch_of(v), int(g.node_row[v.id]))
                                                for v in (ss[1], es[0], ss[0])]
+
+
+def test_rows_of_many_results_also_list_each_nodes_row_in_the_whole_results():
+    """From eight results on, a multi read also names every row in the concatenation of its
+    parts' whole results (execution reads many small results as one cat and one index_select)."""
+    with fb.Graph(strategy="depth") as g:
+        h, states = _inputs(1)[0], []
+        for _ in range(9):  # nine steps: nine results of one row each, by depth
+            h = fb.tanh(h)
+            states.append(h)
+        g.forward()
+        picked = [states[i] for i in (7, 0, 3, 8, 1, 2, 5, 4, 6, 0)]
+        joined = fb.concat(picked)
+        planned = Planned(g)
+        (k,) = planned.read_ids_of(joined)
+        kind, parts, _, rows, whole = planned.reads[k]
+        assert kind == "multi" and len(parts) == 9 and rows == 10 and whole is not None
+        expected = [(int(g.node_batch[v.id]), int(g.node_row[v.id])) for v in picked]
+        assert planned.whole_positions(k) == planned.positions(k, 10) == expected
 
 
 def test_a_ragged_batch_reads_every_argument_flat_and_each_nodes_arity():

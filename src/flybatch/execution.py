@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 # A read, as `_core.plan_reads` plans it (csrc/execute.h says more):
 #   ("view", source, start, length): rows start..start+length-1 of values[source], no copy;
 #   ("rows", source, at, length): the rows numbered indices[at:at+length] of values[source];
-#   ("multi", part read ids, inverse at or None, rows): the parts concatenated, then put in
-#   the nodes' order by the permutation indices[inverse:inverse+rows] when one is needed.
+#   ("multi", part read ids, inverse at or None, rows, whole at or None): the parts
+#   concatenated, then put in the nodes' order by the permutation indices[inverse:inverse+rows]
+#   when one is needed; with many parts, also the nodes' rows in the concatenation of the
+#   parts' whole results, indices[whole:whole+rows].
 Read = tuple
 
 
@@ -300,52 +302,47 @@ def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
         graph.gathers += 1
         tensor = graph.values[source]
         return _fit(tensor.index_select(0, indices.rows(at, length, tensor)), width)
-    _, parts, inverse, rows = read
+    _, parts, inverse, rows, whole = read
     graph.gathers += 1
-    stacked = _rows_of_small_results(graph, parts, reads, indices, pieces) if width < 0 else None
-    if stacked is None:
-        tensors = []
-        for p in parts:  # (a run of rows read as it is, inline: a feature read from each of
-            part = reads[p]  # many earlier results is one such part per result)
-            if part[0] == "view" and width < 0 and p not in pieces:
-                tensors.append(_rows(graph.values[part[1]], part[2], part[3]))
-                graph.gathers_avoided += 1
-            else:
-                tensors.append(_resolve(graph, p, reads, indices, pieces, width))
-        stacked = torch.cat(tensors)
+    if whole is not None and width < 0:
+        gathered = _rows_of_small_results(graph, parts, reads, indices, pieces, whole, rows)
+        if gathered is not None:
+            return gathered
+    tensors = []
+    for p in parts:  # (a run of rows read as it is, inline: a feature read from each of
+        part = reads[p]  # many earlier results is one such part per result)
+        if part[0] == "view" and width < 0 and p not in pieces:
+            tensors.append(_rows(graph.values[part[1]], part[2], part[3]))
+            graph.gathers_avoided += 1
+        else:
+            tensors.append(_resolve(graph, p, reads, indices, pieces, width))
+    stacked = torch.cat(tensors)
     if inverse is None:
         return stacked
     return stacked.index_select(0, indices.rows(inverse, rows, stacked))
 
 
 # Rows of MANY small results (a feature read from each of many earlier steps: one part per
-# result): one cat of the whole results and one index_select of the rows cost less than a view
-# of each part (~2 us a view, in which time a cat copies thousands of elements).
-WHOLE_RESULTS_MIN_PARTS = 8
+# result, at least `_core`'s kWholeResultsMinParts): one cat of the whole results and one
+# index_select of the rows, which the read planner lists, cost less than a view of each part
+# (~2 us a view, in which time a cat copies thousands of elements).
 WHOLE_RESULTS_MAX_ELEMENTS_PER_PART = 4096
 
 
 def _rows_of_small_results(graph: "Graph", parts: tuple, reads: list[Read], indices: _Indices,
-                           pieces: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The rows of the part reads `parts` of a multi read, concatenated, as one cat of their
-    results and one index_select; None when there are few parts, a part is a piece of a
-    fan-out, or the results are too large to copy whole."""
-    if len(parts) < WHOLE_RESULTS_MIN_PARTS or any(p in pieces for p in parts):
+                           pieces: dict[int, torch.Tensor], whole: int,
+                           rows: int) -> torch.Tensor | None:
+    """The rows of a multi read, in the nodes' order, as one cat of its parts' results and one
+    index_select of the rows indices[whole:whole+rows]; None when a part is a piece of a
+    fan-out or the results are too large to copy whole."""
+    if any(p in pieces for p in parts):
         return None
-    results = [graph.values[reads[p][1]] for p in parts]
+    values = graph.values
+    results = [values[reads[p][1]] for p in parts]
     if sum(r.numel() for r in results) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
         return None
-    rows: list[int] = []
-    first = 0  # of each result in the cat
-    for p, result in zip(parts, results):
-        kind, _, at, length = reads[p]
-        if kind == "view":
-            rows += range(first + at, first + at + length)
-        else:
-            rows += (indices.numpy[at:at + length] + first).tolist()
-        first += result.shape[0]
-    whole = torch.cat(results)
-    return whole.index_select(0, torch.tensor(rows, device=whole.device))
+    whole_results = torch.cat(results)
+    return whole_results.index_select(0, indices.rows(whole, rows, whole_results))
 
 
 # ---- reads of an earlier forward's results ----------------------------------------------------
