@@ -285,6 +285,20 @@ def _refuse_inplace(func: Callable) -> None:
                     "expression, which has no storage; use inplace=False")
 
 
+def _refuse_autocast(func: Callable) -> None:
+    """A call recorded inside a `torch.autocast` region (the core asks only while one is on):
+    its batched kernel would compute in its operands' dtype, not in the region's lower
+    precision as the eager call does, so it raises where the region is the graph's device's."""
+    g = _current.get()
+    devices = ("cpu", "cuda") if g is None or g.device is None else (g.device.type,)
+    on = [d for d in devices if torch.is_autocast_enabled(d)]
+    if on:
+        raise TypeError(f"{_name(func)}: torch.autocast({on[0]!r}) is not supported inside a "
+                        "flybatch graph (its batched kernel would not compute in "
+                        f"{torch.get_autocast_dtype(on[0])}); cast the parameters and inputs "
+                        "to the lower precision instead, or leave the autocast region")
+
+
 def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
     """A recorded call no handler took: an in-place write, or a generic node."""
     name = getattr(func, "__name__", "")
@@ -2055,7 +2069,8 @@ _PLANNED: dict[Callable, tuple[Callable, tuple]] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe)
+                      _refuse_inplace, _refuse_autocast, _unhandled, _FB_UNARY, _PLANNED,
+                      _Recipe)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
 # methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python

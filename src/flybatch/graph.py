@@ -626,11 +626,12 @@ class Graph(_core.Store):
                 self.seconds["schedule"] += t1 - now
                 # A forward computes the same autograd graph whatever the grad mode of the code
                 # that asked for a value (a peek under no_grad or inference_mode): each node's
-                # own mode decides. Kernels are plain torch: the capture of torch calls
-                # (capture.py) is off (first, so that switching grad mode on is not itself
-                # dispatched to it).
+                # own mode decides; and in the precision of the nodes' recording whatever
+                # autocast region asked (calls recorded inside one raise). Kernels are plain
+                # torch: the capture of torch calls (capture.py) is off (first, so that
+                # switching grad mode on is not itself dispatched to it).
                 with torch._C.DisableTorchFunction(), torch.inference_mode(False), \
-                        torch.enable_grad():
+                        torch.enable_grad(), self._autocast_off():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -662,6 +663,11 @@ class Graph(_core.Store):
         values, position = self.values, self.position
         with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
+
+    def _autocast_off(self) -> contextlib.AbstractContextManager:
+        if not torch._C._is_any_autocast_enabled():  # (the common case: ~0.1 us)
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type if self.device else "cpu", enabled=False)
 
     def _batch_rows(self, batch: int, first: int, rows: bytearray | None,
                     exprs: Sequence[Expression]) -> torch.Tensor:
