@@ -2473,19 +2473,63 @@ def _install() -> None:
 _install()
 
 
-def _autograd_grad(*args, **kwargs):
-    """Eager torch.autograd.grad of eager tensors (a parameter among them) runs as it is."""
-    given = list(args) + list(kwargs.values())
-    flat = [x for a in given for x in (a if isinstance(a, (list, tuple)) else (a,))]
-    if not any(isinstance(x, Expression) for x in flat):
+def _differentiated(func: Callable, outputs: Any) -> tuple[Graph, list] | None:
+    """The graph and the expressions of `outputs` (torch.autograd's one tensor or sequence),
+    or None where they are plain tensors (an eager call, which runs as it is)."""
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    exprs = [x for x in outputs if isinstance(x, Expression)]
+    if not exprs:
+        return None
+    if len(exprs) != len(outputs) or any(e.graph is not exprs[0].graph for e in exprs):
+        raise TypeError(f"torch.autograd.{func.__name__} of flybatch expressions and other "
+                        "tensors (or expressions of two graphs) in one call is not supported: "
+                        "differentiate them in calls of their own")
+    return exprs[0].graph, exprs
+
+
+def _autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+                   only_inputs=True, allow_unused=None, is_grads_batched=False,
+                   materialize_grads=False):
+    """torch.autograd.grad of expressions (a loss) with respect to tensors (parameters, input
+    tensors): computed over the batched forward, as plain tensors (Graph.grad)."""
+    found = _differentiated(torch.autograd.grad, outputs)
+    options = dict(allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+                   materialize_grads=materialize_grads)
+    if found is None:
         with torch._C.DisableTorchFunction():
-            return torch.autograd.grad(*args, **kwargs)
-    raise TypeError("torch.autograd.grad of flybatch expressions is not supported: call "
-                    ".backward() on the loss and read the parameters' .grad (gradients of "
-                    "gradients, such as a gradient penalty, are not recorded)")
+            return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph,
+                                       create_graph, only_inputs, **options)
+    g, exprs = found
+    one = not isinstance(inputs, (list, tuple))
+    grads = g.grad(exprs, [inputs] if one else list(inputs),
+                   None if grad_outputs is None else _as_list(grad_outputs),
+                   retain_graph=retain_graph, create_graph=create_graph, **options)
+    return grads
+
+
+def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                       grad_variables=None, inputs=None):
+    """torch.autograd.backward of expressions: Graph.backward (into the leaves' .grad)."""
+    found = _differentiated(torch.autograd.backward, tensors)
+    if found is None:
+        with torch._C.DisableTorchFunction():
+            return torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph,
+                                           grad_variables, inputs)
+    g, exprs = found
+    gradients = grad_tensors if grad_tensors is not None else grad_variables
+    if inputs is not None and not isinstance(inputs, (list, tuple)):
+        inputs = [inputs]
+    g.backward(exprs, None if gradients is None else _as_list(gradients),
+               retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+    return None
+
+
+def _as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 _register((torch.autograd.grad,), _autograd_grad)
+_register((torch.autograd.backward,), _autograd_backward)
 
 
 def _refuse_gradient_hook(func: Callable) -> Callable:
