@@ -450,6 +450,7 @@ PyObject* g_current = nullptr;          // graph._current (a ContextVar)
 PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
 PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
 PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
+PyObject* g_refuse_autocast = nullptr;  // capture._refuse_autocast
 PyObject* g_unhandled = nullptr;        // capture._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
 PyObject* g_planned = nullptr;          // capture._PLANNED: F.linear, Tensor.view... -> (handler, weights)
@@ -724,6 +725,10 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
 }
 
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
+  // Inside a torch.autocast region (rare: one flag read, ~2 ns, per call) the batched kernel
+  // would compute in the operands' dtype, not the region's: refused where the region is the
+  // graph's device's.
+  if (autocast_enabled()) Owned refused{checked(PyObject_CallOneArg(g_refuse_autocast, func))};
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
   // nn.LogSoftmax's warning depth: not part of the computation
@@ -842,25 +847,25 @@ PyMethodDef kTorchFunction = {
 const char kConfigureFrontDoc[] =
     "configure_front(mode_class, describe, reads_value, rebinds, recorded_properties, "
     "rebound_attributes, forget, before_write, current, thread, handlers, refuse_inplace, "
-    "unhandled, fb_unary, planned, recipe_type)\n\n"
+    "refuse_autocast, unhandled, fb_unary, planned, recipe_type)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
     "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, _before_write, graph._current, "
     "capture._thread, "
-    "_HANDLERS, _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe.";
+    "_HANDLERS, _refuse_inplace, _refuse_autocast, _unhandled, _FB_UNARY, _PLANNED, _Recipe.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {
   PyObject *mode_class, *describe, *reads_value, *rebinds, *recorded, *rebound, *forget,
-      *before_write, *current, *thread, *handlers, *refuse_inplace, *unhandled, *fb_unary_ops,
-      *planned_calls, *recipe_type;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOO!O!O!:configure_front", &PyType_Type,
+      *before_write, *current, *thread, *handlers, *refuse_inplace, *refuse_autocast, *unhandled,
+      *fb_unary_ops, *planned_calls, *recipe_type;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOO!OO!OOOO!O!O!:configure_front", &PyType_Type,
                         &mode_class, &PyFrozenSet_Type, &describe, &PyFrozenSet_Type,
                         &reads_value, &PyFrozenSet_Type, &rebinds, &PyFrozenSet_Type, &recorded,
                         &PyFrozenSet_Type, &rebound, &forget, &before_write,
                         &PyContextVar_Type, &current, &thread, &PyDict_Type, &handlers,
-                        &refuse_inplace, &unhandled, &PyDict_Type, &fb_unary_ops,
-                        &PyDict_Type, &planned_calls, &PyType_Type, &recipe_type))
+                        &refuse_inplace, &refuse_autocast, &unhandled, &PyDict_Type,
+                        &fb_unary_ops, &PyDict_Type, &planned_calls, &PyType_Type, &recipe_type))
     return nullptr;
   Py_XSETREF(g_planned, Py_NewRef(planned_calls));
   Py_XSETREF(g_recipe_type, Py_NewRef(recipe_type));
@@ -876,6 +881,7 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_thread, Py_NewRef(thread));
   Py_XSETREF(g_handlers, Py_NewRef(handlers));
   Py_XSETREF(g_refuse_inplace, Py_NewRef(refuse_inplace));
+  Py_XSETREF(g_refuse_autocast, Py_NewRef(refuse_autocast));
   Py_XSETREF(g_unhandled, Py_NewRef(unhandled));
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
   PyObject* method =

@@ -859,11 +859,13 @@ PyObject* operator_rule(Operator which, PyObject* a, PyObject* b) {
   if (!rule) Py_RETURN_NOTIMPLEMENTED;
   // The fb ops compute in the graph's dtype; an operand of another dtype follows torch's type
   // promotion instead (`mask.long() + 1` is an integer, `h.float() * 3` a float32), and a
-  // product of operands beyond matrices is torch's batched matmul: each is recorded as the
-  // Tensor operator it is, by the capture layer (`ops._tensor_operator`).
+  // product of operands beyond matrices is torch's batched matmul, and so is a product inside
+  // a torch.autocast region, where the capture refuses it (eagerly it would compute in the
+  // region's lower precision): each is recorded as the Tensor operator it is, by the capture
+  // layer (`ops._tensor_operator`).
   try {
     if (of_other_dtype(a) || (b && of_other_dtype(b)) ||
-        (which == kMatmul && (beyond_matrices(a) || beyond_matrices(b))))
+        (which == kMatmul && (beyond_matrices(a) || beyond_matrices(b) || autocast_enabled())))
       return PyObject_CallMethod(g_ops_module, "_tensor_operator", "iOO", static_cast<int>(which),
                                  a, b ? b : Py_None);
   } catch (const PythonError&) {

@@ -39,14 +39,24 @@ PyObject* g_expression_type = nullptr;
 using TorchFlag = bool (*)();
 TorchFlag g_grad_mode = nullptr;      // c10::GradMode::is_enabled
 TorchFlag g_function_mode = nullptr;  // at::impl::torch_function_mode_enabled
+// So is torch.autocast's flag of a device type, at::autocast::is_autocast_enabled(DeviceType)
+// (c10::DeviceType is an enum class of int8_t: CPU 0, CUDA 1); its Python stand-in is
+// torch._C._is_any_autocast_enabled (any device type).
+using AutocastFlag = bool (*)(std::int8_t);
+AutocastFlag g_autocast = nullptr;
+PyObject* g_any_autocast = nullptr;
 
 namespace {
-TorchFlag loaded_function(const char* library, const char* symbol) {
+void* loaded_symbol(const char* library, const char* symbol) {
   void* handle = dlopen(library, RTLD_LAZY | RTLD_NOLOAD);  // only if torch loaded it
   if (!handle) return nullptr;
   void* f = dlsym(handle, symbol);
   dlclose(handle);  // torch's own load keeps the library
-  return reinterpret_cast<TorchFlag>(f);
+  return f;
+}
+
+TorchFlag loaded_function(const char* library, const char* symbol) {
+  return reinterpret_cast<TorchFlag>(loaded_symbol(library, symbol));
 }
 }  // namespace
 
@@ -226,6 +236,15 @@ std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n) {
 const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n) {
   *n = s->shape_keys->length(id);
   return s->shape_keys->key(id);
+}
+
+bool autocast_enabled() {
+  constexpr std::int8_t kCpu = 0, kCuda = 1;
+  if (g_autocast) return g_autocast(kCpu) || g_autocast(kCuda);
+  PyObject* on = PyObject_CallNoArgs(g_any_autocast);
+  if (!on) throw PythonError{};
+  Py_DECREF(on);
+  return on == Py_True;
 }
 
 bool grad_enabled() {
@@ -902,6 +921,15 @@ PyObject* configure(PyObject*, PyObject* args) {
   g_grad_mode = loaded_function("libc10.so", "_ZN3c108GradMode10is_enabledEv");
   g_function_mode =
       loaded_function("libtorch_cpu.so", "_ZN2at4impl27torch_function_mode_enabledEv");
+  g_autocast = reinterpret_cast<AutocastFlag>(loaded_symbol(
+      "libtorch_cpu.so", "_ZN2at8autocast19is_autocast_enabledEN3c1010DeviceTypeE"));
+  if (!g_any_autocast) {
+    PyObject* torch_c = PyImport_ImportModule("torch._C");
+    if (!torch_c) return nullptr;
+    g_any_autocast = PyObject_GetAttrString(torch_c, "_is_any_autocast_enabled");
+    Py_DECREF(torch_c);
+    if (!g_any_autocast) return nullptr;
+  }
   Py_RETURN_NONE;
 }
 

@@ -259,6 +259,9 @@ std::int32_t intern_shape(Store* s, const i64* dims, std::size_t n);
 const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n);
 // Grad mode now (torch.is_grad_enabled, cached and called without arguments).
 bool grad_enabled();
+// Whether a torch.autocast region is on for the CPU or CUDA now (read per recorded torch call:
+// such a call is refused, capture._refuse_autocast).
+bool autocast_enabled();
 // The signature int of a Python key, interned on first sight (sig_ids, sig_keys).
 i64 python_sig(Store* s, PyObject* key);
 // Whether the leading dim of `node`'s shape is a length (its signature's `length_led` mark).

@@ -1295,12 +1295,12 @@ def test_a_class_index_out_of_range_raises_at_the_loss_call():
             F.cross_entropy(scores.value().detach(), torch.tensor([1])).item(), abs=ATOL)
 
 
-def test_autograd_grad_of_an_expression_raises_a_clear_error():
+def test_autograd_grad_with_respect_to_an_expression_raises_a_clear_error():
     w = nn.Parameter(torch.randn(3))
     with fb.Graph():
-        y = (w * 2.0).sum()
-        with pytest.raises(TypeError, match="torch.autograd.grad of flybatch expressions"):
-            torch.autograd.grad(y, w)
+        h = w * 2.0
+        with pytest.raises(TypeError, match=r"respect to a flybatch expression \(shape \(3,\)\)"):
+            torch.autograd.grad(h.sum(), h)
 
 
 OUT_OF_RANGE = {

@@ -285,6 +285,20 @@ def _refuse_inplace(func: Callable) -> None:
                     "expression, which has no storage; use inplace=False")
 
 
+def _refuse_autocast(func: Callable) -> None:
+    """A call recorded inside a `torch.autocast` region (the core asks only while one is on):
+    its batched kernel would compute in its operands' dtype, not in the region's lower
+    precision as the eager call does, so it raises where the region is the graph's device's."""
+    g = _current.get()
+    devices = ("cpu", "cuda") if g is None or g.device is None else (g.device.type,)
+    on = [d for d in devices if torch.is_autocast_enabled(d)]
+    if on:
+        raise TypeError(f"{_name(func)}: torch.autocast({on[0]!r}) is not supported inside a "
+                        "flybatch graph (its batched kernel would not compute in "
+                        f"{torch.get_autocast_dtype(on[0])}); cast the parameters and inputs "
+                        "to the lower precision instead, or leave the autocast region")
+
+
 def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
     """A recorded call no handler took: an in-place write, or a generic node."""
     name = getattr(func, "__name__", "")
@@ -2055,7 +2069,8 @@ _PLANNED: dict[Callable, tuple[Callable, tuple]] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
-                      _refuse_inplace, _unhandled, _FB_UNARY, _PLANNED, _Recipe)
+                      _refuse_inplace, _refuse_autocast, _unhandled, _FB_UNARY, _PLANNED,
+                      _Recipe)
 
 # torch's functions written in Python (most of torch.nn.functional, torch.functional, the Tensor
 # methods of torch/_tensor.py) reach a mode through torch.overrides.handle_torch_function, Python
@@ -2458,19 +2473,63 @@ def _install() -> None:
 _install()
 
 
-def _autograd_grad(*args, **kwargs):
-    """Eager torch.autograd.grad of eager tensors (a parameter among them) runs as it is."""
-    given = list(args) + list(kwargs.values())
-    flat = [x for a in given for x in (a if isinstance(a, (list, tuple)) else (a,))]
-    if not any(isinstance(x, Expression) for x in flat):
+def _differentiated(func: Callable, outputs: Any) -> tuple[Graph, list] | None:
+    """The graph and the expressions of `outputs` (torch.autograd's one tensor or sequence),
+    or None where they are plain tensors (an eager call, which runs as it is)."""
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    exprs = [x for x in outputs if isinstance(x, Expression)]
+    if not exprs:
+        return None
+    if len(exprs) != len(outputs) or any(e.graph is not exprs[0].graph for e in exprs):
+        raise TypeError(f"torch.autograd.{func.__name__} of flybatch expressions and other "
+                        "tensors (or expressions of two graphs) in one call is not supported: "
+                        "differentiate them in calls of their own")
+    return exprs[0].graph, exprs
+
+
+def _autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+                   only_inputs=True, allow_unused=None, is_grads_batched=False,
+                   materialize_grads=False):
+    """torch.autograd.grad of expressions (a loss) with respect to tensors (parameters, input
+    tensors): computed over the batched forward, as plain tensors (Graph.grad)."""
+    found = _differentiated(torch.autograd.grad, outputs)
+    options = dict(allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+                   materialize_grads=materialize_grads)
+    if found is None:
         with torch._C.DisableTorchFunction():
-            return torch.autograd.grad(*args, **kwargs)
-    raise TypeError("torch.autograd.grad of flybatch expressions is not supported: call "
-                    ".backward() on the loss and read the parameters' .grad (gradients of "
-                    "gradients, such as a gradient penalty, are not recorded)")
+            return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph,
+                                       create_graph, only_inputs, **options)
+    g, exprs = found
+    one = not isinstance(inputs, (list, tuple))
+    grads = g.grad(exprs, [inputs] if one else list(inputs),
+                   None if grad_outputs is None else _as_list(grad_outputs),
+                   retain_graph=retain_graph, create_graph=create_graph, **options)
+    return grads
+
+
+def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                       grad_variables=None, inputs=None):
+    """torch.autograd.backward of expressions: Graph.backward (into the leaves' .grad)."""
+    found = _differentiated(torch.autograd.backward, tensors)
+    if found is None:
+        with torch._C.DisableTorchFunction():
+            return torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph,
+                                           grad_variables, inputs)
+    g, exprs = found
+    gradients = grad_tensors if grad_tensors is not None else grad_variables
+    if inputs is not None and not isinstance(inputs, (list, tuple)):
+        inputs = [inputs]
+    g.backward(exprs, None if gradients is None else _as_list(gradients),
+               retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+    return None
+
+
+def _as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 _register((torch.autograd.grad,), _autograd_grad)
+_register((torch.autograd.backward,), _autograd_backward)
 
 
 def _refuse_gradient_hook(func: Callable) -> Callable:

@@ -170,15 +170,19 @@ class Expression(_core.Expression):
         with _no_capture():
             return int(value.argmax())
 
-    def backward(self, retain_graph: bool | None = None) -> None:
-        """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does.
+    def backward(self, gradient: Any = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Sequence[torch.Tensor] | None = None
+                 ) -> None:
+        """Accumulate d(this)/d(leaf) into every leaf's `.grad`, as `Tensor.backward` does
+        (`gradient` for a non-scalar, `inputs` to restrict the leaves, `create_graph`).
 
         Instances batched together share their kernels' autograd nodes, so a backward per
         instance must not free them: the graph keeps them until it closes (`retain_graph=False`
         frees them at once, when this is the graph's last backward). As eagerly, a second
         backward of the same expression raises unless the first had `retain_graph=True`.
         """
-        self.graph.backward(self, retain_graph=retain_graph)
+        self.graph.backward([self], None if gradient is None else [gradient],
+                            retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
     def __float__(self) -> float:
         value = self._peek()
@@ -626,11 +630,12 @@ class Graph(_core.Store):
                 self.seconds["schedule"] += t1 - now
                 # A forward computes the same autograd graph whatever the grad mode of the code
                 # that asked for a value (a peek under no_grad or inference_mode): each node's
-                # own mode decides. Kernels are plain torch: the capture of torch calls
-                # (capture.py) is off (first, so that switching grad mode on is not itself
-                # dispatched to it).
+                # own mode decides; and in the precision of the nodes' recording whatever
+                # autocast region asked (calls recorded inside one raise). Kernels are plain
+                # torch: the capture of torch calls (capture.py) is off (first, so that
+                # switching grad mode on is not itself dispatched to it).
                 with torch._C.DisableTorchFunction(), torch.inference_mode(False), \
-                        torch.enable_grad():
+                        torch.enable_grad(), self._autocast_off():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -662,6 +667,11 @@ class Graph(_core.Store):
         values, position = self.values, self.position
         with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
+
+    def _autocast_off(self) -> contextlib.AbstractContextManager:
+        if not torch._C._is_any_autocast_enabled():  # (the common case: ~0.1 us)
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type if self.device else "cpu", enabled=False)
 
     def _batch_rows(self, batch: int, first: int, rows: bytearray | None,
                     exprs: Sequence[Expression]) -> torch.Tensor:
@@ -704,24 +714,68 @@ class Graph(_core.Store):
                 value = value.narrow(0, 0, self.shape_of(node)[0])
             return value
 
-    def backward(self, expr: Expression, retain_graph: bool | None = None) -> None:
-        node = self.node_of(expr)
-        if node in self.backward_done:
+    def backward(self, exprs: Sequence[Expression], gradients: Sequence[Any] | None = None,
+                 retain_graph: bool | None = None, create_graph: bool = False,
+                 inputs: Sequence[torch.Tensor] | None = None) -> None:
+        """`torch.autograd.backward` of expressions: into the `.grad` of the leaves (or of
+        `inputs` only), over the batched forward that computed them."""
+        values, gradients = self._differentiated(exprs, gradients, inputs)
+        start = time.perf_counter()
+        with torch._C.DisableTorchFunction():
+            # Instances batched together share their kernels' autograd nodes: unless the user
+            # asks to free them, they stay for the other instances' backwards.
+            torch.autograd.backward(values, gradients, retain_graph=retain_graph is not False,
+                                    create_graph=create_graph, inputs=inputs)
+        self._done_with(exprs, retain_graph or create_graph, start)
+
+    def grad(self, exprs: Sequence[Expression], inputs: Sequence[torch.Tensor],
+             gradients: Sequence[Any] | None = None, retain_graph: bool | None = None,
+             create_graph: bool = False, **options: Any) -> tuple[torch.Tensor, ...]:
+        """`torch.autograd.grad` of expressions with respect to tensors (parameters, input
+        tensors that require grad): plain tensors, with their own history under
+        `create_graph=True` (a gradient penalty)."""
+        values, gradients = self._differentiated(exprs, gradients, inputs)
+        start = time.perf_counter()
+        with torch._C.DisableTorchFunction():
+            grads = torch.autograd.grad(values, inputs, gradients,
+                                        retain_graph=retain_graph is not False,
+                                        create_graph=create_graph, **options)
+        self._done_with(exprs, retain_graph or create_graph, start)
+        return grads
+
+    def _differentiated(self, exprs: Sequence[Expression], gradients: Sequence[Any] | None,
+                        inputs: Sequence[torch.Tensor] | None) -> tuple[list, list | None]:
+        """The values to differentiate and their gradients (tensors), after the checks eager
+        PyTorch makes (a second backward, a non-scalar without a gradient) and those of a
+        batched graph (an expression's gradient is never a tensor of its own)."""
+        for x in inputs or ():
+            if isinstance(x, Expression):
+                raise TypeError(f"gradients with respect to a flybatch expression (shape "
+                                f"{x.shape}) are not supported: they are computed batched "
+                                "with other instances', never as a tensor of its own; take "
+                                "them with respect to parameters or input tensors")
+        nodes = [self.node_of(e) for e in exprs]
+        if any(node in self.backward_done for node in nodes):
             raise RuntimeError(
                 "Trying to backward through the graph a second time: this expression's "
                 "backward already ran (eager PyTorch raises here too, since the first backward "
                 "freed its graph). Pass retain_graph=True to the first backward to accumulate "
                 "its gradients twice.")
-        value = self.value_of(node)
-        if value.dim() != 0:
-            raise ValueError(f"backward() needs a scalar expression, got shape {expr.shape}")
-        start = time.perf_counter()
-        with torch._C.DisableTorchFunction():
-            # Instances batched together share their kernels' autograd nodes: unless the user
-            # asks to free them, they stay for the other instances' backwards.
-            value.backward(retain_graph=retain_graph is not False)
-        if not retain_graph:
-            self.backward_done.add(node)
+        values = [self.value_of(node) for node in nodes]
+        if gradients is None:
+            for e, value in zip(exprs, values):
+                if value.dim() != 0:
+                    raise ValueError(f"backward() needs a scalar expression or a gradient, got "
+                                     f"shape {e.shape}")
+            return values, None
+        gradients = [self.value_of(self.node_of(x)) if isinstance(x, Expression) else x
+                     for x in gradients]
+        return values, gradients
+
+    def _done_with(self, exprs: Sequence[Expression], retained: bool | None,
+                   start: float) -> None:
+        if not retained:
+            self.backward_done.update(self.node_of(e) for e in exprs)
         self.seconds["backward"] += time.perf_counter() - start
         self._mark_idle()
 
