@@ -634,8 +634,7 @@ class Graph(_core.Store):
                 # autocast region asked (calls recorded inside one raise). Kernels are plain
                 # torch: the capture of torch calls (capture.py) is off (first, so that
                 # switching grad mode on is not itself dispatched to it).
-                with torch._C.DisableTorchFunction(), torch.inference_mode(False), \
-                        torch.enable_grad(), self._autocast_off():
+                with torch._C.DisableTorchFunction(), self._kernel_modes():
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -668,10 +667,19 @@ class Graph(_core.Store):
         with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
             return [values[batch][row] for batch, row in map(position, nodes)]
 
-    def _autocast_off(self) -> contextlib.AbstractContextManager:
-        if not torch._C._is_any_autocast_enabled():  # (the common case: ~0.1 us)
+    def _kernel_modes(self) -> contextlib.AbstractContextManager:
+        """Grad mode on, inference mode and autocast off, for the kernels; nothing to enter
+        in the common case (the three context managers cost ~4% of a small forward)."""
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() \
+                and not torch._C._is_any_autocast_enabled():
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type if self.device else "cpu", enabled=False)
+        modes = contextlib.ExitStack()
+        modes.enter_context(torch.inference_mode(False))
+        modes.enter_context(torch.enable_grad())
+        if torch._C._is_any_autocast_enabled():
+            modes.enter_context(
+                torch.autocast(self.device.type if self.device else "cpu", enabled=False))
+        return modes
 
     def _batch_rows(self, batch: int, first: int, rows: bytearray | None,
                     exprs: Sequence[Expression]) -> torch.Tensor:
