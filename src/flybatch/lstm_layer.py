@@ -14,15 +14,16 @@ each one's length, and returns the h of every step [B, T, H], zeros past each en
   (csrc/lstm.cpp) and one GEMM for dh, then dW_hh, dW_ih and dX each ONE GEMM over all steps.
 
 Where the time goes (one AMD EPYC core, 1 thread, the benchmarks' minibatches, forward +
-backward of one direction, 2026-11-23): the same GEMMs without any elementwise work take
-30 ms for the parser's shape (B 64, D 125, H 200, lengths 2-56), 66 for bilstm's (D = H =
-256, lengths 8-66), 11 for the char LSTM's (B ~190, D 64, H 128, lengths 1-16) and 100 for
-bilstm-synthetic's first layer (all 40 steps): the per-step products of a few dozen rows run
-at ~50 GFLOP/s, not at the ~85 of large ones, and they are most of the work. oneDNN took 48,
-99, 22 and 102 ms; stepwise 44, 87, 16 and 123. So oneDNN loses where lengths differ (its
-groups pad, and each group is a call of its own with a short batch) and wins where they are
-all equal (one call, no padding: there it is at the GEMM bound, and stepwise's per-step torch
-ops cost more than its fused cell).
+backward of one direction, ms, 2026-11-23): the GEMMs of the stepwise layer alone, without any
+elementwise work, take 30 for the parser's shape (B 64, D 125, H 200, lengths 2-56), 66 for
+bilstm's (D = H = 256, lengths 8-66), 11 for the char LSTM's (B ~190, D 64, H 128, lengths
+1-16) and 97 for bilstm-synthetic's first layer (D 200, H 256, all 40 steps): the per-step
+products of a few dozen rows run at ~50 GFLOP/s, not at the ~85 of large ones, and they are
+most of the work. oneDNN took 40, 89, 21 and 102; stepwise 33, 83, 15 and 123 (medians of
+processes alternated three times each; the last pair interleaved in one process). So oneDNN
+loses where lengths differ (its groups pad, and each group is a call of its own with a shorter
+batch) and wins where they are all equal: one call, no padding, at the GEMM bound, where the
+stepwise layer's per-step torch ops cost more than oneDNN's fused cell.
 
 The path: `set_lstm("auto" | "onednn" | "stepwise")` or the environment variable FLYBATCH_LSTM.
 "auto" (the default) takes stepwise on CPU where the lengths of the batch differ, oneDNN

@@ -265,7 +265,8 @@ class LSTM(nn.Module):
     """Runs LSTM cells over a list of expressions; returns the top layer's outputs.
 
     Each layer and direction over the sequence is one `lstm_layer` node (see `run`): the
-    batch of every instance's sequence is one call of torch's LSTM, not one launch per step.
+    batch of every instance's sequence is one kernel call (torch's LSTM, or flybatch's
+    stepwise layer where lengths differ: flybatch/lstm_layer.py), not one launch per step.
     With `bidirectional=True` each output is `[forward h_t; backward h_t]`, and a layer above
     reads those concatenations: torch.nn.LSTM's output for one sequence, step by step.
     `load_state_dict` takes torch.nn.LSTM's state_dicts (`weight_ih_l{k}` is
@@ -309,7 +310,7 @@ class LSTM(nn.Module):
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
         """The `h` of each step of `cell` over `xs` from a zero state, as calling the cell step
         by step computes them, in ONE node for the whole sequence (`LSTM_LAYER`: its batched
-        kernel runs torch's LSTM over every sequence of the batch at once) and a node per step
+        kernel runs every sequence of the batch at once, `lstm_layer.kernel`) and a node per step
         reading its `h` (`lstm_step`, batched across steps and sequences)."""
         xs = list(xs)
         if not xs:
