@@ -91,3 +91,13 @@ def test_auto_runs_stepwise_where_lengths_differ_and_onednn_where_equal(lengths,
 def test_set_lstm_rejects_an_unknown_path():
     with pytest.raises(ValueError, match="set_lstm: path must be one of"):
         lstm_layer.set_lstm("fast")
+
+
+def test_stepwise_refuses_a_double_backward_instead_of_getting_it_wrong():
+    lengths = np.array([3, 1])
+    x, w_ih, w_hh, bias = padded_batch(lengths)
+    h = run("stepwise", x, w_ih, w_hh, bias, lengths)
+    dh = torch.ones_like(h, requires_grad=True)
+    (dx,) = torch.autograd.grad(h, x, dh, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()

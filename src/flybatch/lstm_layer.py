@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _core, kernels
 
@@ -158,6 +159,7 @@ class StepwiseLSTM(torch.autograd.Function):
         return x.new_zeros(B * T, H).index_copy_(0, packing.index, h).view(B, T, H)
 
     @staticmethod
+    @once_differentiable  # the core's pass is outside autograd: no double backward through it
     def backward(ctx, grad):
         packed_x, w_ih, w_hh, gates, c, tanh_c, h = ctx.saved_tensors
         packing = ctx.packing
