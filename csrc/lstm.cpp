@@ -1,4 +1,4 @@
-// The elementwise part of one step of an LSTM layer's backward (flybatch/lstm.py), on the raw
+// The elementwise part of one step of an LSTM layer's backward (flybatch/lstm_layer.py), on the raw
 // memory of contiguous torch tensors: one pass over the step's rows instead of the ~15 torch
 // ops (each a pass and a dispatch) that the same arithmetic takes in Python. No
 // transcendental function is evaluated here (the forward saved tanh(c)), so the loop is plain
@@ -12,12 +12,12 @@ namespace flybatch {
 
 namespace {
 
-// Rows [0, rows) of one step, hidden size H, gates in torch's order (i, f, g, o), activated:
+// One row of a step's backward; hidden size H, gates in torch's order (i, f, g, o), activated:
 //   dc    = dc_next + dh * o * (1 - tanh(c)^2)
 //   d(i, f, g, o) (pre-activation) = (dc * g * i (1 - i), dc * c_prev * f (1 - f),
 //                                     dc * i * (1 - g^2), dh * tanh(c) * o (1 - o))
-//   dc_prev = dc * f, written over dc_next (c_prev null: the first step, from a zero state).
-// One row; `first`: the first step, whose c_prev is the zero state (no forget-gate gradient).
+//   dc_prev = dc * f, written over dc_next.
+// `first`: the first step, whose c_prev is the zero state (no forget-gate gradient).
 template <typename T, bool first>
 inline void backward_row(const T* __restrict i, const T* __restrict tc, const T* __restrict cp,
                          const T* __restrict dh, T* __restrict dc, T* __restrict di,
@@ -53,9 +53,15 @@ __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) voi
   }
 }
 
+// The addresses of args[0..5] as T*, then one backward_step; a Python error when an
+// argument is not an int.
 template <typename T>
-T* pointer(PyObject* address) {
-  return reinterpret_cast<T*>(PyLong_AsVoidPtr(address));
+bool run_step(PyObject* const* args, std::int64_t rows, std::int64_t H) {
+  T* p[6];
+  for (int k = 0; k < 6; ++k) p[k] = reinterpret_cast<T*>(PyLong_AsVoidPtr(args[k]));
+  if (PyErr_Occurred()) return false;
+  backward_step<T>(p[0], p[1], p[2], p[3], p[4], p[5], rows, H);
+  return true;
 }
 
 // lstm_backward_step(acts, tanh_c, c_prev, dh, dc, dgates, rows, H, is_double): addresses of
@@ -69,16 +75,8 @@ PyObject* lstm_backward_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
   const std::int64_t H = PyLong_AsLongLong(args[7]);
   const int is_double = PyObject_IsTrue(args[8]);
   if (PyErr_Occurred()) return nullptr;
-  if (is_double) {
-    backward_step<double>(pointer<double>(args[0]), pointer<double>(args[1]),
-                          pointer<double>(args[2]), pointer<double>(args[3]),
-                          pointer<double>(args[4]), pointer<double>(args[5]), rows, H);
-  } else {
-    backward_step<float>(pointer<float>(args[0]), pointer<float>(args[1]),
-                         pointer<float>(args[2]), pointer<float>(args[3]),
-                         pointer<float>(args[4]), pointer<float>(args[5]), rows, H);
-  }
-  if (PyErr_Occurred()) return nullptr;
+  const bool ok = is_double ? run_step<double>(args, rows, H) : run_step<float>(args, rows, H);
+  if (!ok) return nullptr;
   Py_RETURN_NONE;
 }
 
