@@ -1134,7 +1134,8 @@ PyObject* register_store(PyObject* module) {
       PyModule_AddObjectRef(module, "Expression",
                             reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
       PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module) ||
-      !register_fused(module) || !register_capture(module) || !register_dispatch(module)) {
+      !register_fused(module) || !register_capture(module) || !register_dispatch(module) ||
+      !register_lstm(module)) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -283,5 +283,6 @@ bool register_rules(PyObject* module);
 bool register_fused(PyObject* module);
 bool register_capture(PyObject* module);
 bool register_dispatch(PyObject* module);
+bool register_lstm(PyObject* module);
 
 }  // namespace flybatch

@@ -15,6 +15,7 @@ import torch
 
 import eager
 import flybatch as fb
+from flybatch import lstm_layer
 from flybatch.graph import STRATEGIES
 
 F64 = torch.float64
@@ -200,10 +201,19 @@ def copy_lstm(ours: fb.nn.LSTM, num_layers: int) -> torch.nn.LSTM:
     return theirs
 
 
+@pytest.fixture(params=["onednn", "stepwise"])
+def lstm_path(request):
+    """Each test of fb.nn.LSTM runs on both kernels of its layers (flybatch/lstm_layer.py)."""
+    before = lstm_layer.get_lstm()
+    lstm_layer.set_lstm(request.param)
+    yield request.param
+    lstm_layer.set_lstm(before)
+
+
 @pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, False), (1, True), (2, True)],
                          ids=["1-layer", "2-layer", "1-layer-bi", "2-layer-bi"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_lstm_equals_torch_lstm_with_copied_weights(strategy, layers, bidirectional):
+def test_lstm_equals_torch_lstm_with_copied_weights(strategy, layers, bidirectional, lstm_path):
     ours = seeded(fb.nn.LSTM(IN, H, num_layers=layers, bidirectional=bidirectional).double())
     theirs = copy_lstm(ours, layers)
     sequences = lengths_batch(RAGGED)
@@ -216,7 +226,7 @@ def test_lstm_equals_torch_lstm_with_copied_weights(strategy, layers, bidirectio
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_bidirectional_two_layer_lstm_gradients_match_eager(strategy):
+def test_bidirectional_two_layer_lstm_gradients_match_eager(strategy, lstm_path):
     lstm = seeded(fb.nn.LSTM(IN, H, num_layers=2, bidirectional=True).double())
     same_as_eager(strategy, [lstm], lambda B, m, xs: m[0]([B.input(x) for x in xs]),
                   lengths_batch(RAGGED))
@@ -225,7 +235,7 @@ def test_bidirectional_two_layer_lstm_gradients_match_eager(strategy):
 def test_lstm_length_groups_split_and_join_back_with_zeros_past_each_end():
     lengths = np.array([2, 9, 3, 8, 1])  # groups [9, 8], [3, 2], [1]: 8 and 2 run past their end
     x = torch.randn(5, 10, 3, dtype=F64)
-    groups = fb.nn._LengthGroups(lengths, 10, x.device)
+    groups = lstm_layer._LengthGroups(lengths, 10, x.device)
     parts = groups.split(x)
     assert [tuple(p.shape) for p in parts] == [(2, 9, 3), (2, 3, 3), (1, 1, 3)]
     valid = torch.from_numpy(np.arange(10)[None, :] < lengths[:, None]).unsqueeze(-1)

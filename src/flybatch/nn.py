@@ -18,11 +18,10 @@ import math
 import re
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from . import _core, kernels, ops, signatures
+from . import _core, kernels, lstm_layer, ops, signatures
 from .errors import ShapeError
 from .graph import Expression, Graph, Op
 from .ops import Operand
@@ -198,120 +197,9 @@ def _lstm_kernel(xs, attr, shape):
 LSTM_CELL = Op("lstm_cell", _lstm_kernel)
 
 
-def _length_groups(lengths: np.ndarray, ratio: float = 1.5) -> list[np.ndarray]:
-    """Rows by length, longest first: a row joins the current group while its length is at
-    least the group's longest / ratio, so padding is under a third of any group's steps."""
-    order = np.argsort(-lengths, kind="stable")
-    groups, start = [], 0
-    while start < len(order):
-        end, top = start, lengths[order[start]]
-        while end < len(order) and lengths[order[end]] * ratio >= top:
-            end += 1
-        groups.append(order[start:end])
-        start = end
-    return groups
-
-
-def _torch_lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
-                bias: torch.Tensor) -> torch.Tensor:
-    """torch's LSTM (oneDNN's RNN primitive on CPU, cuDNN on CUDA) over `x` [B, T, D] from a
-    zero state, with the cell's single bias: the h of every step, [B, T, H]."""
-    h0 = x.new_zeros(1, x.shape[0], w_hh.shape[1])
-    return torch.lstm(x, (h0, h0), (w_ih, w_hh, bias, torch.zeros_like(bias)), True, 1, 0.0,
-                      False, False, True)[0]
-
-
-def _lstm_layer_kernel(xs, attr, shape, lengths):
-    """Every sequence of the batch through the LSTM at once: `xs[0]` is the stacked inputs
-    [B, T, D], padded with zeros past each sequence's length. A step past the end sees padding,
-    but no valid step depends on it (the recurrence runs forward), and its outputs are zeroed.
-    Sequences of very different lengths run in groups of similar length, one torch call each,
-    so that padding does not dominate."""
-    x, w_ih, w_hh, bias = xs[0], xs[1][0], xs[2][0], xs[3][0]
-    # The cell's products at each valid step (not the padding), as the cell step by step
-    # counts them: the input's, and the state's, whose gradient autograd records after the
-    # first step (the zero state has none) when the weights' is.
-    B, gates, H = x.shape[0], w_ih.shape[0], w_hh.shape[1]
-    steps = int(lengths.sum()) if lengths is not None else B * x.shape[1]
-    kernels.flops.add(steps * gates, w_ih.shape[1], x, w_ih)
-    kernels.flops.add(B * gates, H, w_hh)
-    kernels.flops.add((steps - B) * gates, H, w_hh, w_ih)
-    if lengths is None:  # all of one length
-        return _torch_lstm(x, w_ih, w_hh, bias)
-    groups = _LengthGroups(lengths, x.shape[1], x.device)
-    inputs = _SplitGroups.apply(groups, x)
-    return _JoinGroups.apply(groups, *[_torch_lstm(g, w_ih, w_hh, bias) for g in inputs])
-
-
-class _LengthGroups:
-    """The rows of a padded batch [B, T, ...] in groups of similar length (`_length_groups`):
-    each group's rows and longest length, and the steps of its shorter rows past their own
-    ends (a group runs to its longest length; the result has zeros there)."""
-
-    __slots__ = ("members", "longest", "past_end", "past_end_in_group", "B", "T")
-
-    def __init__(self, lengths: np.ndarray, T: int, device: torch.device):
-        self.B, self.T = len(lengths), T
-        self.members, self.longest, self.past_end_in_group, past_end = [], [], [], []
-        for group in _length_groups(lengths):
-            longest = int(lengths[group[0]])
-            self.members.append(torch.from_numpy(group).to(device))
-            self.longest.append(longest)
-            # (row, step) past its row's end, as a flat row of the group's [n * longest, ...]
-            # and of the batch's [B * T, ...]
-            rows, steps = np.nonzero(np.arange(longest)[None, :] >= lengths[group][:, None])
-            self.past_end_in_group.append(torch.from_numpy(rows * longest + steps).to(device))
-            past_end.append(group[rows] * T + steps)
-        self.past_end = torch.from_numpy(np.concatenate(past_end)).to(device)
-
-    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each group's rows of `t` [B, T, ...], cut at its longest length."""
-        return tuple(t[:, :longest].index_select(0, members)
-                     for members, longest in zip(self.members, self.longest))
-
-    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The groups' [n, longest, ...] back in one [B, T, ...], zeros past each row's end."""
-        out = parts[0].new_zeros(self.B, self.T, *parts[0].shape[2:])
-        for part, members, longest in zip(parts, self.members, self.longest):
-            out[:, :longest].index_copy_(0, members, part)
-        out.view(self.B * self.T, -1).index_fill_(0, self.past_end, 0.0)
-        return out
-
-
-class _SplitGroups(torch.autograd.Function):
-    """`groups.split(x)`; backward joins the groups' gradients into one tensor (instead of a
-    zero-filled copy of x per group, as the selects' own backward would make)."""
-
-    @staticmethod
-    def forward(ctx, groups, x):
-        ctx.groups = groups
-        return groups.split(x)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, ctx.groups.join(grads)
-
-
-class _JoinGroups(torch.autograd.Function):
-    """`groups.join(parts)`; backward splits the gradient back into the groups, with zeros
-    past each row's end (those outputs are the zeros of the join, not the group's)."""
-
-    @staticmethod
-    def forward(ctx, groups, *parts):
-        ctx.groups = groups
-        return groups.join(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = ctx.groups.split(grad)  # fresh tensors: zeroed in place
-        for part, past_end in zip(parts, ctx.groups.past_end_in_group):
-            part.view(part.shape[0] * part.shape[1], -1).index_fill_(0, past_end, 0.0)
-        return (None, *parts)
-
-
 # A cell over a whole sequence: (stacked inputs (n, D), weight_ih, weight_hh, bias) -> the h of
 # every step (n, H). Signature ("lstm_layer", the cell's tag): sequences of any length, padded.
-LSTM_LAYER = Op("lstm_layer", _lstm_layer_kernel, padded=True)
+LSTM_LAYER = Op("lstm_layer", lstm_layer.kernel, padded=True)
 # Step t's h of a layer's result: `x[t]` of a sequence of any length, read in place (only the
 # row picked is copied, not each sequence's whole (n, H)).
 LSTM_STEP = Op("lstm_step",
@@ -377,7 +265,8 @@ class LSTM(nn.Module):
     """Runs LSTM cells over a list of expressions; returns the top layer's outputs.
 
     Each layer and direction over the sequence is one `lstm_layer` node (see `run`): the
-    batch of every instance's sequence is one call of torch's LSTM, not one launch per step.
+    batch of every instance's sequence is one kernel call (torch's LSTM, or flybatch's
+    stepwise layer where lengths differ: flybatch/lstm_layer.py), not one launch per step.
     With `bidirectional=True` each output is `[forward h_t; backward h_t]`, and a layer above
     reads those concatenations: torch.nn.LSTM's output for one sequence, step by step.
     `load_state_dict` takes torch.nn.LSTM's state_dicts (`weight_ih_l{k}` is
@@ -421,7 +310,7 @@ class LSTM(nn.Module):
     def run(cell: LSTMCell, xs: Sequence[Operand]) -> list[Expression]:
         """The `h` of each step of `cell` over `xs` from a zero state, as calling the cell step
         by step computes them, in ONE node for the whole sequence (`LSTM_LAYER`: its batched
-        kernel runs torch's LSTM over every sequence of the batch at once) and a node per step
+        kernel runs every sequence of the batch at once, `lstm_layer.kernel`) and a node per step
         reading its `h` (`lstm_step`, batched across steps and sequences)."""
         xs = list(xs)
         if not xs:

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import flybatch.distributed as fbd
-from flybatch import _core, kernels
+from flybatch import _core, kernels, lstm_layer
 from flybatch.bench.flops import MinibatchFlops, gemm_peak
 from flybatch.bench.tasks import EXTRA_MODES, MODES, create, task_class
 from flybatch.bench.tasks.base import StepResult
@@ -250,6 +250,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     for _ in range(s.warmup):
         train_step(next(batches))
     timed, stats, sizes = [], [], []
+    lstm_before = dict(lstm_layer.lstm_counts)
     start = time.perf_counter()
     while not fbd.any_rank(len(timed) >= s.min_timed and time.perf_counter() - start >= s.seconds):
         r, extra, n = train_step(next(batches))
@@ -261,6 +262,9 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
             stats.append(r.stats)
         bar.update(len(timed), "train")
     train_wall = time.perf_counter() - start
+    # which kernel ran fb.nn.LSTM's layers (flybatch/lstm_layer.py): launches per path
+    lstm_paths = {path: n - lstm_before[path] for path, n in lstm_layer.lstm_counts.items()
+                  if n > lstm_before[path]}
     split = _build_split(train_step, batches) if stats else None
 
     def eval_step(batch: list) -> tuple[StepResult, int]:
@@ -307,6 +311,8 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     }
     if split:
         rec["build_split"] = split
+    if lstm_paths:
+        rec["lstm_paths"] = lstm_paths
     if stats:
         def med_of(attr):
             return statistics.median(getattr(st, attr) for st in stats)
@@ -483,6 +489,8 @@ def _summary(r: dict[str, Any]) -> str:
     if r.get("world_size", 1) > 1:
         extra += (f"; {r['world_size']} processes: train "
                   + " + ".join(f"{x:.1f}" for x in r["per_process"]) + f" = {r['total']:.1f}/s")
+    if r.get("lstm_paths"):
+        extra += "; LSTM layers " + ", ".join(f"{p} x{n}" for p, n in r["lstm_paths"].items())
     if r.get("dynet"):
         extra += f" (DyNet {r['dynet']})"
     if "gflop_per_s" in r:

@@ -1,0 +1,96 @@
+// The elementwise part of one step of an LSTM layer's backward (flybatch/lstm_layer.py), on the raw
+// memory of contiguous torch tensors: one pass over the step's rows instead of the ~15 torch
+// ops (each a pass and a dispatch) that the same arithmetic takes in Python. No
+// transcendental function is evaluated here (the forward saved tanh(c)), so the loop is plain
+// multiply-adds that the compiler vectorises; target_clones picks AVX-512 or AVX2 at load time
+// without -march=native, and without -ffast-math the results are the arithmetic as written.
+#include "store.h"
+
+#include <cstdint>
+
+namespace flybatch {
+
+namespace {
+
+// One row of a step's backward; hidden size H, gates in torch's order (i, f, g, o), activated:
+//   dc    = dc_next + dh * o * (1 - tanh(c)^2)
+//   d(i, f, g, o) (pre-activation) = (dc * g * i (1 - i), dc * c_prev * f (1 - f),
+//                                     dc * i * (1 - g^2), dh * tanh(c) * o (1 - o))
+//   dc_prev = dc * f, written over dc_next.
+// `first`: the first step, whose c_prev is the zero state (no forget-gate gradient).
+template <typename T, bool first>
+inline void backward_row(const T* __restrict i, const T* __restrict tc, const T* __restrict cp,
+                         const T* __restrict dh, T* __restrict dc, T* __restrict di,
+                         std::int64_t H) {
+  const T* f = i + H;
+  const T* g = f + H;
+  const T* o = g + H;
+  T* df = di + H;
+  T* dg = df + H;
+  T* d_o = dg + H;
+  for (std::int64_t j = 0; j < H; ++j) {
+    const T d = dc[j] + dh[j] * o[j] * (T(1) - tc[j] * tc[j]);
+    d_o[j] = dh[j] * tc[j] * o[j] * (T(1) - o[j]);
+    di[j] = d * g[j] * i[j] * (T(1) - i[j]);
+    dg[j] = d * i[j] * (T(1) - g[j] * g[j]);
+    df[j] = first ? T(0) : d * cp[j] * f[j] * (T(1) - f[j]);
+    dc[j] = d * f[j];
+  }
+}
+
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) void backward_step(
+    const T* acts, const T* tanh_c, const T* c_prev, const T* dh, T* dc, T* dgates,
+    std::int64_t rows, std::int64_t H) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (c_prev) {
+      backward_row<T, false>(acts + r * 4 * H, tanh_c + r * H, c_prev + r * H, dh + r * H,
+                             dc + r * H, dgates + r * 4 * H, H);
+    } else {
+      backward_row<T, true>(acts + r * 4 * H, tanh_c + r * H, nullptr, dh + r * H, dc + r * H,
+                            dgates + r * 4 * H, H);
+    }
+  }
+}
+
+// The addresses of args[0..5] as T*, then one backward_step; a Python error when an
+// argument is not an int.
+template <typename T>
+bool run_step(PyObject* const* args, std::int64_t rows, std::int64_t H) {
+  T* p[6];
+  for (int k = 0; k < 6; ++k) p[k] = reinterpret_cast<T*>(PyLong_AsVoidPtr(args[k]));
+  if (PyErr_Occurred()) return false;
+  backward_step<T>(p[0], p[1], p[2], p[3], p[4], p[5], rows, H);
+  return true;
+}
+
+// lstm_backward_step(acts, tanh_c, c_prev, dh, dc, dgates, rows, H, is_double): addresses of
+// contiguous tensors of one dtype (c_prev 0 for the first step); see backward_step.
+PyObject* lstm_backward_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 9) {
+    PyErr_SetString(PyExc_TypeError, "lstm_backward_step takes 9 arguments");
+    return nullptr;
+  }
+  const std::int64_t rows = PyLong_AsLongLong(args[6]);
+  const std::int64_t H = PyLong_AsLongLong(args[7]);
+  const int is_double = PyObject_IsTrue(args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  const bool ok = is_double ? run_step<double>(args, rows, H) : run_step<float>(args, rows, H);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kLstmMethods[] = {
+    {"lstm_backward_step",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lstm_backward_step)),
+     METH_FASTCALL,
+     "lstm_backward_step(acts, tanh_c, c_prev, dh, dc, dgates, rows, H, is_double): one step of "
+     "an LSTM layer's backward, elementwise, on the addresses of contiguous tensors."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+bool register_lstm(PyObject* module) { return PyModule_AddFunctions(module, kLstmMethods) == 0; }
+
+}  // namespace flybatch
