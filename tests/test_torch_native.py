@@ -1118,6 +1118,26 @@ def test_a_scalar_loss_accumulated_with_plus_equals_is_one_sum():
     assert g.stats().batches <= 4  # linear, sum, 0 + the first term, ONE sum of the rest
 
 
+@pytest.mark.parametrize("peek", [False, True])
+def test_a_scalar_written_with_plus_equals_then_added_to_is_its_new_value(peek):
+    """The tutorials' seq2seq: `loss += criterion(...)` on a loss that is not a pending sum
+    (a loss function's result, or a sum a value request computed), then `loss + more`: the
+    later sum adds the new value's terms, which is no stale read of the value written."""
+    linear, xs = seeded(nn.Linear(3, 2)), draw(1, *[(3,)] * 3)
+
+    def accumulated():
+        loss = F.cross_entropy(linear(xs[0]).unsqueeze(0), torch.tensor([1]))
+        for x in xs[1:]:
+            loss += linear(x).logsumexp(0)
+            if peek:
+                loss.item()
+            loss = loss + 0.1 * linear(x).sum()
+        return loss
+
+    eager, batched = _eager_and_batched(accumulated)
+    assert batched == pytest.approx(eager, abs=1e-12)
+
+
 @pytest.mark.parametrize("write, error", [
     (lambda h: h.__iadd__(torch.ones(2, 3)), r"__iadd__: a result of shape \(2, 3\) cannot"),
     (lambda h: (h > 0).long().__iadd__(1.5), "can't be cast")])

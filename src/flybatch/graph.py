@@ -562,15 +562,25 @@ class Graph(_core.Store):
         if len(hits):
             readers = np.searchsorted(arg_ptr, hits + arg_ptr[first], side="right") - 1
             late = readers > points[np.searchsorted(nodes, reads[hits])]
-            if late.any():
-                k = int(np.argmax(late))
-                reader = int(readers[k])
+            for k in np.nonzero(late)[0].tolist():
+                reader, node = int(readers[k]), int(reads[hits[k]])
+                if self._sums_the_written_value(reader, node):
+                    continue
                 where = (self.origins or {}).get(reader) or \
                     "(fb.Graph(debug=True) names the line)"
-                self._stale(int(reads[hits[k]]), f"a {self.op_of(reader).name} node {where}")
+                self._stale(node, f"a {self.op_of(reader).name} node {where}")
         for e in exprs:
             if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
                 self._stale(e.id, "a value request")
+
+    def _sums_the_written_value(self, reader: int, node: int) -> bool:
+        """Whether `reader` reads the written node `node` only as a term of its new value: a
+        scalar `loss + x` after `loss += y` is one esum of the new value's terms (`y` and the
+        node written), which adds what eagerly is in the tensor after the write."""
+        point = self.overwritten[node][0]
+        terms = self.args_of(point)
+        return (self.op_of(reader).name == "esum" and node in terms
+                and self.args_of(reader)[:len(terms)] == terms)
 
     def _stale(self, node: int, reader: str) -> None:
         point, func = self.overwritten[node]
