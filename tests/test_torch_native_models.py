@@ -205,6 +205,31 @@ def graphs():
             for x, e in zip(xs, edges)]
 
 
+class GCN(nn.Module):
+    """Kipf & Welling's GCN over one graph per instance, its normalised adjacency a sparse
+    tensor (`torch.sparse.mm(adj, h)`, `adj @ h`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gc1, self.gc2 = nn.Linear(3, H), nn.Linear(H, 3)
+
+    def forward(self, x, adj):
+        h = F.relu(torch.sparse.mm(adj, self.gc1(x)))
+        return (adj @ self.gc2(h)).mean(0, keepdim=True)
+
+
+def sparse_adjacencies():
+    """Each graph of `graphs()` with its normalised adjacency D^-1/2 (A + I) D^-1/2 as a sparse
+    COO tensor."""
+    items = []
+    for x, src, dst in graphs():
+        n = x.size(0)
+        a = torch.eye(n, dtype=F64).index_put((dst, src), torch.ones(len(src), dtype=F64))
+        d = a.sum(1).rsqrt()
+        items.append((x, (d.unsqueeze(1) * a * d).to_sparse()))
+    return items
+
+
 # ---- functions and losses ---------------------------------------------------------------------
 class Functions(nn.Module):
     """[1, n] rows through a grab bag of torch functions."""
@@ -683,6 +708,8 @@ ZOO = {
                                 list(enumerate(TREES))),
     "gnn-index-add": entry(lambda: MessagePassing(False), lambda m, it: m(*it) ** 2, graphs()),
     "gnn-scatter-add": entry(lambda: MessagePassing(True), lambda m, it: m(*it) ** 2, graphs()),
+    "gcn-sparse-adjacency": entry(GCN, lambda m, it: F.cross_entropy(m(*it[1]), label(it[0])),
+                                  list(enumerate(sparse_adjacencies()))),
     "torch-functions": entry(Functions, lambda m, it: m(*it), xy_rows()),
     "rows-1xn": entry(Rows, lambda m, it: m(*it), xy_rows()),
     "reductions": entry(Reductions, lambda m, x: m(x), sequences(), fewer=1.5),

@@ -2144,7 +2144,7 @@ _binary_ops = {
 for _op, (_funcs, _reflected) in _binary_ops.items():
     _register(_funcs, _fb_binary(getattr(ops, _op)))
     _register(_reflected, _fb_binary(getattr(ops, _op), reflected=True))
-_register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm), _matmul)
+_register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm, torch.sparse.mm), _matmul)
 _register((T.__rmatmul__,), _rmatmul)
 _register((torch.cat, torch.concat, torch.concatenate), _cat)
 _register((torch.stack,), _stack_rows)

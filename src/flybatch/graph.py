@@ -470,7 +470,8 @@ class Graph(_core.Store):
         DyNet): it is copied unless `owned` (a fresh tensor nobody else can write), so a
         buffer reused afterwards does not change the node. With `keep_grad`, gradient flows
         back into `tensor`'s own autograd history. A one-element integer tensor on the CPU (a
-        label, a row number) is kept as the int it holds (`INDEX_INPUT`)."""
+        label, a row number) is kept as the int it holds (`INDEX_INPUT`); a sparse tensor
+        holds its dense value."""
         with _no_capture():  # flybatch's own tensor work, not the user's: no capture dispatch
             if tensor.device.type == "meta":
                 raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
@@ -484,6 +485,11 @@ class Graph(_core.Store):
                 self.node_dtypes[node] = dtype
                 return node
             value = tensor if keep_grad else tensor.detach()
+            if value.layout != torch.strided:
+                # A sparse matrix (a graph's adjacency, `torch.sparse.mm(adj, h)`, `adj @ h`)
+                # is its dense value: a batch stacks dense tensors, and the products compute
+                # the same values and gradients with it.
+                value, owned = value.to_dense(), True
             if not owned:
                 value = value.clone()
                 self._meet_dtype(tensor)  # a tensor the user made, not one flybatch converted
