@@ -946,6 +946,39 @@ def test_distribution_checks_are_off_inside_a_graph_only():
     assert torch.distributions.Distribution._validate_args is default
 
 
+NOISE_OF_A_SHAPE = {  # functions whose draws need the operand's shape, not its values
+    "gumbel_softmax": lambda z: F.gumbel_softmax(z, tau=0.5),
+    "gumbel_softmax-hard": lambda z: F.gumbel_softmax(z, hard=True),
+    "dropout1d": lambda z: F.dropout1d(z.t(), 0.4).t(),
+    "dropout2d": lambda z: nn.Dropout2d(0.4)(z.view(1, -1, 2, 2)).view(z.shape),
+    "dropout3d": lambda z: F.dropout3d(z.view(2, 2, 2, -1), 0.4).view(z.shape),
+    "alpha_dropout": lambda z: nn.AlphaDropout(0.3)(z),
+    "feature_alpha_dropout": lambda z: F.feature_alpha_dropout(z.unsqueeze(0), 0.3, True)[0],
+}
+
+
+@pytest.mark.parametrize("name", NOISE_OF_A_SHAPE)
+def test_noise_that_needs_no_values_is_drawn_at_the_call_as_eagerly(name):
+    """Channel dropout, alpha dropout and Gumbel noise draw from the stream as eager torch
+    does, at the call, without a forward per instance: the launches do not grow with the
+    instances."""
+    lin, noisy = seeded(nn.Linear(4, 4)), NOISE_OF_A_SHAPE[name]
+
+    def loss_of(x):
+        return (noisy(lin(x)) * torch.arange(1.0, 5.0)).pow(2).sum()
+
+    launches = []
+    for n in (3, 6):
+        items = draw(n, *[(2, 4)] * n)
+        torch.manual_seed(1)
+        eager = run_eager(lin, loss_of, items)
+        torch.manual_seed(1)
+        batched = run_batched(lin, loss_of, items, "agenda")
+        assert_same_training(eager, batched)
+        launches.append(batched.stats.batches)
+    assert launches[0] == launches[1]
+
+
 def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():
     mu = nn.Parameter(torch.zeros(1, 3))
     with fb.Graph():

@@ -1643,6 +1643,54 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return ops.dropout(input, p, training)
 
 
+_SELU_ALPHA = 1.7580993408473766  # aten's alpha dropout: -selu's scale * alpha
+
+
+def _noise_dropout(feature: bool, alpha: bool):
+    """torch.feature_dropout, alpha_dropout, feature_alpha_dropout (under F.dropout1d/2d/3d,
+    F.alpha_dropout, nn.AlphaDropout...): the noise needs the input's shape, not its values,
+    so it is drawn when the call is written, by aten's own calls (`_dropout_impl`), taking
+    the numbers eager torch takes; the input times it (plus alpha dropout's shift) is
+    recorded. On the values it would cost a forward per call."""
+    def handler(input, p, train):
+        if not isinstance(input, Expression) or not _is_float(input.graph, input) or \
+                not 0 <= p < 1:  # (p = 1 zeroes without a draw, any other p raises)
+            return NotImplemented
+        shape = tuple(input.shape)
+        if not train or p == 0 or math.prod(shape) == 0:  # eager returns its input
+            return input
+        if feature and len(shape) < 2:
+            return NotImplemented  # torch's error
+        g = input.graph
+        noise_shape = shape[:2] + (1,) * (len(shape) - 2) if feature else shape
+        with torch._C.DisableTorchFunction():
+            noise = torch.empty(noise_shape, dtype=g.dtype_of(input.id),
+                                device=g.device or "cpu").bernoulli_(1 - p)
+            if alpha:
+                a = 1.0 / math.sqrt((_SELU_ALPHA * _SELU_ALPHA * p + 1) * (1 - p))
+                shift = noise.add(-1).mul_(_SELU_ALPHA * a).add_(_SELU_ALPHA * a * p)
+                noise.mul_(a)
+            else:
+                noise.div_(1 - p)
+        return input * noise + shift if alpha else input * noise
+    return handler
+
+
+def _own_body(func: Callable) -> Callable:
+    """A torch.nn.functional function written in Python run as its own body on expressions
+    (its `handle_torch_function` hand-off skipped), so each torch call in it is recorded or
+    run as any other: F.gumbel_softmax's noise (`empty_like(logits).exponential_()`) is drawn
+    at the call as eagerly instead of the whole function running on the values (a forward
+    per call, as a function that draws random numbers must)."""
+    never = lambda *args: False  # noqa: E731 - the hand-off's test, answered
+    body = types.FunctionType(func.__code__, {**func.__globals__, "has_torch_function": never,
+                                              "has_torch_function_unary": never,
+                                              "has_torch_function_variadic": never},
+                              func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
 def _reduce_all(rule):
     def handler(x, *args, **kwargs):
         if args or kwargs or not isinstance(x, Expression) or not _is_float(x.graph, x):
@@ -2227,6 +2275,12 @@ _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _group_norm)
 _register((F.dropout, torch.dropout), _dropout)
+_register((torch.feature_dropout,), _noise_dropout(feature=True, alpha=False))
+_register((torch.alpha_dropout,), _noise_dropout(feature=False, alpha=True))
+_register((torch.feature_alpha_dropout,), _noise_dropout(feature=True, alpha=True))
+for _func in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+              F.gumbel_softmax):
+    _register((_func,), _own_body(_func))
 _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like, torch.randint_like):
