@@ -908,6 +908,21 @@ def test_the_pieces_of_a_chunk_batch_across_instances():
         assert stats.batches == 2 + 3 + 2 + 3, stats.by_signature
 
 
+@pytest.mark.parametrize("index_of", [lambda z: z.argmax(1), lambda z: torch.argmax(z, dim=1),
+                                      lambda z: z.argmin(-1)])
+def test_the_indices_of_maxima_along_a_dim_batch_across_instances(index_of):
+    """`z.argmax(1)` (the accuracy of a tagger, a target network's action) is one launch for
+    every instance, as `amax` is."""
+    lin, xs = seeded(nn.Linear(4, 3)), draw(2, *[(5, 4)] * 4)
+    with fb.Graph(strategy="agenda") as g:
+        got = [index_of(lin(x)) for x in xs]
+        values = g.forward(got)
+        stats = g.stats()
+    for value, x in zip(values, xs):
+        assert value.tolist() == index_of(lin(x)).tolist()
+    assert stats.batches == 2, stats.by_signature  # the linear, the indices
+
+
 def test_a_reshape_keeps_its_dtype_and_batches_only_with_its_own():
     """Views of one shape in several dtypes: each keeps its dtype, views of one dtype share a
     launch and views of different dtypes never do; a view to the same shape is the input."""

@@ -2223,8 +2223,9 @@ for _func in (torch.softmax, T.softmax, F.softmax):
 for _func in (torch.log_softmax, T.log_softmax, F.log_softmax):
     _register((_func,), _padded_vector(ops.log_softmax, _func, "log_softmax"))
 _register((torch.transpose, T.transpose), _transpose)
+_argmax_along = _shifted(T.argmax, 1, "argmax")  # (one handler: its plans are kept per handler)
 _register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
-          else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))
+          else _argmax_along(x, dim, keepdim))
 for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, torch.clip, T.clip,
               torch.maximum, torch.minimum, torch.where, F.gelu, F.elu, F.leaky_relu, F.silu,
               F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.mish, F.softsign, F.tanhshrink,
