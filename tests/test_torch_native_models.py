@@ -890,6 +890,37 @@ def test_an_in_place_write_that_eager_torch_refuses_raises_at_the_call(target, w
             buffer.add_(write(W * 2))
 
 
+PARAMETER_WRITES = {  # under torch.no_grad(), operands computed from parameters
+    "W.copy_(W * 2)": lambda W, V: W.copy_(W * 2),
+    "W.div_(norms)": lambda W, V: W.div_(W.norm(dim=1, keepdim=True)),
+    "moving average V.mul_(0.9).add_(0.1 * W)": lambda W, V: V.mul_(0.9).add_(0.1 * W),
+    "W[0].fill_(0.5)": lambda W, V: W[0].fill_(0.5),
+    "W[1:].mul_(W[0])": lambda W, V: W[1:].mul_(W[0]),
+    "nn.init.zeros_(W[:, 1])": lambda W, V: nn.init.zeros_(W[:, 1]),
+    "W[0] = V[1] * 2": lambda W, V: W.__setitem__(0, V[1] * 2),
+}
+
+
+@pytest.mark.parametrize("name", PARAMETER_WRITES)
+def test_an_in_place_write_into_a_parameter_is_seen_by_the_calls_after_it(name):
+    """A max-norm constraint, a target network's moving average, a padding row reset: the
+    write reaches the parameter at the call, as eagerly; calls before it see the old values,
+    calls after it the new ones (and so does the parameter after the graph)."""
+    x = torch.randn(4)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W, V = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))
+        with context:
+            before = (W @ x).sum() + (V @ x).sum()
+            with torch.no_grad():
+                PARAMETER_WRITES[name](W, V)
+            after = (W @ x).sum() + (V @ x).sum()
+            runs.append((before.item(), after.item(), W.detach().clone(), V.detach().clone()))
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_an_in_place_write_of_an_expression_into_a_view_raises():
     """Eagerly the write reaches the tensor viewed (and its other views); batched it would not,
     so it is refused, naming the call and the way that works."""

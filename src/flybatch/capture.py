@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
-from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, _current,
-                    current_graph, live_graphs)
+from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, ParameterView,
+                    _current, _no_capture, current_graph, live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -979,6 +979,9 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     other write is an error (it has no storage); recorded out of place for a plain tensor
     written with expressions, which then stands for its new value."""
     target = args[0]
+    parameter = _parameter_written(target)
+    if parameter is not None:
+        return _write_into_parameter(func, parameter, args[1:], kwargs)
     if isinstance(target, Expression) and name.startswith("__i"):
         return _write_into_expression(func, name, target, args[1])
     if isinstance(target, Expression) and name == "requires_grad_":
@@ -1016,6 +1019,55 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+def _parameter_written(target: Any) -> torch.Tensor | None:
+    """The tensor an in-place write into `target` reaches when a forward reads it, not a copy
+    made at the call: a parameter (a leaf that requires grad), an embedding table the graph
+    reads, or a constant part of a parameter taken as an expression (`W[0]`, `W[:, 1]`)."""
+    if isinstance(target, Expression):
+        g, node = target.graph, target.id
+        op = None if g.closed else g.op_of(node)
+        if op is PARAMETER:
+            view = g.attr_of(node)
+            with _no_capture():
+                return view() if isinstance(view, ParameterView) else view
+        if op is ops.LOOKUP:  # a row indexed out of a table (`W[0]`), not an F.embedding
+            table = g.attr_of(node)[0]
+            with _no_capture():
+                rows = g.row_views.get(table.untyped_storage().data_ptr(), ())
+                return next((table[row] for viewer, _, row in rows if viewer == node), None)
+        return None
+    if not isinstance(target, torch.Tensor):
+        return None
+    with _no_capture():
+        if target.is_leaf and target.requires_grad:
+            return target
+        storage = target.untyped_storage().data_ptr()
+    graph = _current.get()
+    return target if graph is not None and not graph.closed and storage and \
+        graph.reads_later({storage}) else None
+
+
+def _write_into_parameter(func: Callable, parameter: torch.Tensor, args: tuple,
+                          kwargs: dict) -> Any:
+    """An in-place write with expressions among its operands into what a forward reads
+    (`_parameter_written`): a max-norm constraint `W.div_(W.norm(dim=1, keepdim=True))`, a
+    target network's moving average `p_t.mul_(m).add_((1 - m) * p)`, `W[0].fill_(0)` under
+    torch.no_grad(). It is made on the tensor itself with the operands' values (a forward),
+    as eagerly: the nodes recorded before it see the old values (`_before_write`), those
+    after it the new ones. (Recorded out of place, the later reads of the tensor would read
+    its old storage.)"""
+    def value(x):
+        return x.graph.value_of(x.graph.node_of(x)) if isinstance(x, Expression) else x
+
+    args, kwargs = pytree.tree_map(value, (args, kwargs))
+    after_write = _before_write(parameter)
+    with _no_capture():
+        result = func(parameter, *args, **kwargs)
+    if after_write is not None:
+        after_write()
+    return result
 
 
 def _write_into_expression(func: Callable, name: str, target: Expression, other: Any) -> Any:
