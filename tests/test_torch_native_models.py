@@ -1010,6 +1010,27 @@ def test_noise_that_needs_no_values_is_drawn_at_the_call_as_eagerly(name):
     assert launches[0] == launches[1]
 
 
+@pytest.mark.parametrize("make", [lambda W: torch.empty_like(W).exponential_(),
+                                  lambda W: torch.zeros_like(W).fill_(2.0),
+                                  lambda W: W.new_zeros(W.shape).add_(1.0),
+                                  lambda W: torch.rand_like(W).bernoulli_(0.5)])
+def test_a_tensor_made_like_a_parameter_is_a_plain_tensor_as_eagerly(make):
+    """`torch.empty_like(W).exponential_()` (noise of a parameter's shape): what is made
+    like a parameter holds none of its values, so it is a fresh tensor that takes in-place
+    writes, as eagerly."""
+    W = nn.Parameter(torch.randn(2, 3))
+    results = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W.grad = None
+        with context:
+            loss = (make(W) * W).sum()
+            loss.backward()
+            results.append((loss.item(), W.grad.clone()))
+    assert results[1][0] == pytest.approx(results[0][0], abs=1e-12)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-12)
+
+
 def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():
     mu = nn.Parameter(torch.zeros(1, 3))
     with fb.Graph():

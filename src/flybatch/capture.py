@@ -1769,25 +1769,32 @@ def _detached(batch):
 
 
 def _like(func: Callable):
-    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's shape (the values
-    of the expression are not needed)."""
+    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's (or the
+    parameter's) shape, as eagerly: the values of what it is made like are not needed."""
     def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression):
+        if isinstance(x, Expression):
+            g = x.graph
+            stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        elif isinstance(x, torch.Tensor):
+            stand_in = x
+        else:
             return NotImplemented
-        g = x.graph
-        stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
         with torch._C.DisableTorchFunction():
             return func(stand_in, *args, **kwargs)
     return handler
 
 
 def _new(func: Callable):
-    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device."""
+    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device (x an
+    expression or a parameter)."""
     def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression):
+        if isinstance(x, Expression):
+            g = x.graph
+            stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        elif isinstance(x, torch.Tensor):
+            stand_in = x
+        else:
             return NotImplemented
-        g = x.graph
-        stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
         with torch._C.DisableTorchFunction():
             return func(stand_in, *args, **kwargs)
     return handler
