@@ -14,6 +14,7 @@ outputs) and random sampling.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -420,6 +421,118 @@ class DecodeThenTrain(nn.Module):
         return loss
 
 
+class TutorialSeq2Seq(nn.Module):
+    """The PyTorch tutorial's training step: the encoder run token by token into a
+    preallocated `encoder_outputs`, teacher forcing decided by `random.random()`, `loss +=
+    criterion(...)` with `NLLLoss(reduction='sum', ignore_index=...)`, plus a label-smoothed
+    term, greedy decoding with `topk` and an EOS break."""
+
+    def __init__(self, max_length=6):
+        super().__init__()
+        self.enc_emb, self.enc = nn.Embedding(9, H), nn.GRU(H, H)
+        self.emb, self.attn = nn.Embedding(9, H), nn.Linear(2 * H, max_length)
+        self.combine, self.dec, self.out = nn.Linear(2 * H, H), nn.GRU(H, H), nn.Linear(H, 9)
+        self.criterion, self.max_length = nn.NLLLoss(reduction="sum", ignore_index=7), max_length
+
+    def forward(self, item):
+        seed, (source, target) = item
+        teacher_forcing = random.Random(seed).random() < 0.5
+        hidden, outputs = torch.zeros(1, 1, H), torch.zeros(self.max_length, H)
+        for i, word in enumerate(source):
+            output, hidden = self.enc(self.enc_emb(torch.tensor([word])).view(1, 1, -1), hidden)
+            outputs[i] = output[0, 0]
+        y, loss = torch.tensor([[0]]), 0
+        for word in target:
+            embedded = self.emb(y).view(1, 1, -1)
+            weights = F.softmax(self.attn(torch.cat((embedded[0], hidden[0]), 1)), dim=1)
+            applied = torch.bmm(weights.unsqueeze(0), outputs.unsqueeze(0))
+            x = F.relu(self.combine(torch.cat((embedded[0], applied[0]), 1)).unsqueeze(0))
+            output, hidden = self.dec(x, hidden)
+            log_probs = F.log_softmax(self.out(output[0]), dim=1)
+            loss += self.criterion(log_probs, torch.tensor([word]))
+            loss = loss + 0.1 * F.cross_entropy(log_probs, torch.tensor([word]), label_smoothing=0.1)
+            if teacher_forcing:
+                y = torch.tensor([word])
+            else:
+                y = log_probs.topk(1)[1].squeeze().detach()
+                if y.item() == 1:
+                    break
+        return loss
+
+
+class PointerBeam(nn.Module):
+    """A pointer network decoding by beam search: Python lists of (score, state) hypotheses,
+    visited points masked with `masked_fill(mask, -inf)`, `topk` of each hypothesis."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.cell = nn.GRU(2, H), nn.GRUCell(2, H)
+        self.Wq, self.Wk, self.v = nn.Linear(H, H), nn.Linear(H, H, bias=False), nn.Linear(H, 1)
+
+    def log_probs(self, enc, h, visited):
+        mask = torch.zeros(enc.size(0), dtype=torch.bool)
+        mask[visited] = True
+        scores = self.v(torch.tanh(self.Wk(enc) + self.Wq(h))).squeeze(-1)
+        return F.log_softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+
+    def forward(self, points, beam=2):
+        enc, h = self.enc(points.unsqueeze(1))
+        hypotheses = [(0.0, torch.zeros(1, 2), h[0], [], 0)]
+        for _ in range(points.size(0)):
+            extended = []
+            for score, x, h, visited, log_likelihood in hypotheses:
+                h = self.cell(x, h)
+                log_probs = self.log_probs(enc.squeeze(1), h, visited)
+                values, indices = log_probs.topk(min(beam, points.size(0) - len(visited)))
+                for v, i in zip(values.tolist(), indices.tolist()):
+                    extended.append((score + v, points[i:i + 1], h, visited + [i],
+                                     log_likelihood + log_probs[i]))
+            hypotheses = sorted(extended, key=lambda hypothesis: -hypothesis[0])[:beam]
+        return -hypotheses[0][4]
+
+
+class PlanarFlow(nn.Module):
+    """A per-instance linear map and a planar flow: `torch.linalg.slogdet`, `solve`, `inv`,
+    a Normal's `log_prob`."""
+
+    def __init__(self):
+        super().__init__()
+        self.A, self.u, self.w = nn.Linear(3, 9), nn.Parameter(torch.randn(3)), nn.Linear(3, 1)
+
+    def forward(self, context, z):
+        M = self.A(context).view(3, 3) + 3 * torch.eye(3)
+        _, log_det = torch.linalg.slogdet(M)
+        z = M @ z
+        a = torch.tanh(self.w(z))
+        z = z + self.u * a
+        log_det = log_det + torch.log(torch.abs(1 + torch.dot(self.u, (1 - a ** 2) * self.w.weight[0])))
+        prior = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
+        return -(prior.log_prob(z).sum() + log_det) + torch.linalg.solve(M, z).pow(2).sum() \
+            + torch.linalg.inv(M).sum()
+
+
+class GraphLayers(nn.Module):
+    """A GNN of residual layers (`nn.ModuleList`, GELU, LayerNorm) summing messages into fresh
+    zeros in place, `index_add_` and `scatter_add_`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, H), nn.Linear(H, 3)
+        self.msgs = nn.ModuleList([nn.Linear(H, H) for _ in range(2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(H) for _ in range(2)])
+
+    def forward(self, x, src, dst):
+        h = self.inp(x)
+        for k, (msg, norm) in enumerate(zip(self.msgs, self.norms)):
+            agg = torch.zeros(x.size(0), H)
+            if k == 0:
+                agg.index_add_(0, dst, msg(h)[src])
+            else:
+                agg.scatter_add_(0, dst.unsqueeze(-1).expand(-1, H), msg(h).index_select(0, src))
+            h = norm(h + F.gelu(agg))
+        return self.out(h.mean(0, keepdim=True))
+
+
 # ---- recurrent and attention layers -----------------------------------------------------------
 class BiGRU(nn.Module):
     def __init__(self):
@@ -722,6 +835,16 @@ ZOO = {
     "crf-forward-algorithm": entry(CRF, lambda m, it: m(*it), tagged(), fewer=2),
     "crf-viterbi-item": entry(CRF, lambda m, it: m.viterbi_loss(*it), tagged(), mapped=True,
                               fewer=2),
+    "tutorial-seq2seq-random-teacher-forcing": entry(
+        TutorialSeq2Seq, lambda m, it: m(it),
+        list(enumerate(PAIRS + [([2, 5, 6, 8], [7, 3, 1])])), mapped=True),
+    "pointer-beam-search": entry(PointerBeam, lambda m, p: m(p),
+                                 draw(3, (3, 2), (5, 2), (2, 2), (4, 2), (1, 2)), mapped=True),
+    "planar-flow-slogdet-solve": entry(PlanarFlow, lambda m, it: m(it[0], it[1][0]),
+                                       list(zip(draw(3, *[(1, 3)] * 5), draw(4, *[(1, 3)] * 5)))),
+    "gnn-in-place-residual-layers": entry(GraphLayers,
+                                          lambda m, it: F.cross_entropy(m(*it[1]), label(it[0])),
+                                          list(enumerate(graphs())), fewer=2),
     "easy-first-argmax": entry(EasyFirst, lambda m, ws: m(ws),
                                [[1, 2, 3], [4, 5], [6, 7, 8, 9], [1], [2, 3, 4, 5, 6]],
                                mapped=True),
