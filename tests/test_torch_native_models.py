@@ -1044,6 +1044,22 @@ def test_an_in_place_write_into_a_parameter_is_seen_by_the_calls_after_it(name):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_a_write_through_a_parameters_data_before_its_first_use_is_seen_by_that_use():
+    """`W.data.copy_(h)` (another tensor object, the same storage) before the graph reads W:
+    the calls that read W afterwards see the values written, as eagerly."""
+    x = torch.randn(3)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W, V = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+        with context:
+            with torch.no_grad():
+                W.data.copy_(V * 2)
+            runs.append(((W * x).sum().item(), W.detach().clone()))
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-12)
+
+
 def test_an_in_place_write_of_an_expression_into_a_view_raises():
     """Eagerly the write reaches the tensor viewed (and its other views); batched it would not,
     so it is refused, naming the call and the way that works."""

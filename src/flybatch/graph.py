@@ -363,6 +363,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(key)
         if node is None:
             self.check_tensor("parameter", tensor)
+            self._write_aliases_of(tensor)
             node = self.n_nodes
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
@@ -390,6 +391,23 @@ class Graph(_core.Store):
         self._read_storages = None
         super().forget(tensor)
 
+    def _write_aliases_of(self, tensor: torch.Tensor) -> None:
+        """Before the graph first reads `tensor` as a parameter (its storage, when a forward
+        runs): what it wrote into another tensor object of that storage (`W.data.copy_(h)`)
+        is written into the storage now, as it was eagerly at its call. (The write stood for
+        the other object's new value only.)"""
+        if not self.shadows:
+            return
+        with _no_capture():
+            storage = tensor.untyped_storage().data_ptr()
+            aliases = [key for key, (target, _) in self.shadows.items() if target is not tensor
+                       and target.untyped_storage().data_ptr() == storage]
+        for key in aliases:
+            target, new = self.shadows.pop(key)
+            value = self.value_of(self.node_of(new))
+            with _no_capture(), torch.no_grad():
+                target.copy_(value)
+
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
         value = self.attr_of(node)
@@ -401,6 +419,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(leaf_key)
         if node is None:
             self.check_tensor("parameter", tensor)
+            self._write_aliases_of(tensor)
             view = ParameterView(tensor, key)  # holds the tensor: its id stays its own
             with _no_capture():
                 shape = tuple(view().shape)
