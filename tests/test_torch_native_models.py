@@ -450,7 +450,8 @@ class TutorialSeq2Seq(nn.Module):
             output, hidden = self.dec(x, hidden)
             log_probs = F.log_softmax(self.out(output[0]), dim=1)
             loss += self.criterion(log_probs, torch.tensor([word]))
-            loss = loss + 0.1 * F.cross_entropy(log_probs, torch.tensor([word]), label_smoothing=0.1)
+            loss = loss + 0.1 * F.cross_entropy(log_probs, torch.tensor([word]),
+                                                label_smoothing=0.1)
             if teacher_forcing:
                 y = torch.tensor([word])
             else:
@@ -505,7 +506,8 @@ class PlanarFlow(nn.Module):
         z = M @ z
         a = torch.tanh(self.w(z))
         z = z + self.u * a
-        log_det = log_det + torch.log(torch.abs(1 + torch.dot(self.u, (1 - a ** 2) * self.w.weight[0])))
+        psi = (1 - a ** 2) * self.w.weight[0]
+        log_det = log_det + torch.log(torch.abs(1 + torch.dot(self.u, psi)))
         prior = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
         return -(prior.log_prob(z).sum() + log_det) + torch.linalg.solve(M, z).pow(2).sum() \
             + torch.linalg.inv(M).sum()
