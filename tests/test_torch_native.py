@@ -908,6 +908,21 @@ def test_the_pieces_of_a_chunk_batch_across_instances():
         assert stats.batches == 2 + 3 + 2 + 3, stats.by_signature
 
 
+@pytest.mark.parametrize("index_of", [lambda z: z.argmax(1), lambda z: torch.argmax(z, dim=1),
+                                      lambda z: z.argmin(-1)])
+def test_the_indices_of_maxima_along_a_dim_batch_across_instances(index_of):
+    """`z.argmax(1)` (the accuracy of a tagger, a target network's action) is one launch for
+    every instance, as `amax` is."""
+    lin, xs = seeded(nn.Linear(4, 3)), draw(2, *[(5, 4)] * 4)
+    with fb.Graph(strategy="agenda") as g:
+        got = [index_of(lin(x)) for x in xs]
+        values = g.forward(got)
+        stats = g.stats()
+    for value, x in zip(values, xs):
+        assert value.tolist() == index_of(lin(x)).tolist()
+    assert stats.batches == 2, stats.by_signature  # the linear, the indices
+
+
 def test_a_reshape_keeps_its_dtype_and_batches_only_with_its_own():
     """Views of one shape in several dtypes: each keeps its dtype, views of one dtype share a
     launch and views of different dtypes never do; a view to the same shape is the input."""
@@ -1116,6 +1131,26 @@ def test_a_scalar_loss_accumulated_with_plus_equals_is_one_sum():
             loss += linear(x).sum()
         loss.backward()
     assert g.stats().batches <= 4  # linear, sum, 0 + the first term, ONE sum of the rest
+
+
+@pytest.mark.parametrize("peek", [False, True])
+def test_a_scalar_written_with_plus_equals_then_added_to_is_its_new_value(peek):
+    """The tutorials' seq2seq: `loss += criterion(...)` on a loss that is not a pending sum
+    (a loss function's result, or a sum a value request computed), then `loss + more`: the
+    later sum adds the new value's terms, which is no stale read of the value written."""
+    linear, xs = seeded(nn.Linear(3, 2)), draw(1, *[(3,)] * 3)
+
+    def accumulated():
+        loss = F.cross_entropy(linear(xs[0]).unsqueeze(0), torch.tensor([1]))
+        for x in xs[1:]:
+            loss += linear(x).logsumexp(0)
+            if peek:
+                loss.item()
+            loss = loss + 0.1 * linear(x).sum()
+        return loss
+
+    eager, batched = _eager_and_batched(accumulated)
+    assert batched == pytest.approx(eager, abs=1e-12)
 
 
 @pytest.mark.parametrize("write, error", [

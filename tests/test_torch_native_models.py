@@ -14,6 +14,7 @@ outputs) and random sampling.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -205,6 +206,31 @@ def graphs():
             for x, e in zip(xs, edges)]
 
 
+class GCN(nn.Module):
+    """Kipf & Welling's GCN over one graph per instance, its normalised adjacency a sparse
+    tensor (`torch.sparse.mm(adj, h)`, `adj @ h`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gc1, self.gc2 = nn.Linear(3, H), nn.Linear(H, 3)
+
+    def forward(self, x, adj):
+        h = F.relu(torch.sparse.mm(adj, self.gc1(x)))
+        return (adj @ self.gc2(h)).mean(0, keepdim=True)
+
+
+def sparse_adjacencies():
+    """Each graph of `graphs()` with its normalised adjacency D^-1/2 (A + I) D^-1/2 as a sparse
+    COO tensor."""
+    items = []
+    for x, src, dst in graphs():
+        n = x.size(0)
+        a = torch.eye(n, dtype=F64).index_put((dst, src), torch.ones(len(src), dtype=F64))
+        d = a.sum(1).rsqrt()
+        items.append((x, (d.unsqueeze(1) * a * d).to_sparse()))
+    return items
+
+
 # ---- functions and losses ---------------------------------------------------------------------
 class Functions(nn.Module):
     """[1, n] rows through a grab bag of torch functions."""
@@ -393,6 +419,120 @@ class DecodeThenTrain(nn.Module):
             h = self.cell(self.emb(y), h)
             loss = loss + F.cross_entropy(self.out(h), label(t))
         return loss
+
+
+class TutorialSeq2Seq(nn.Module):
+    """The PyTorch tutorial's training step: the encoder run token by token into a
+    preallocated `encoder_outputs`, teacher forcing decided by `random.random()`, `loss +=
+    criterion(...)` with `NLLLoss(reduction='sum', ignore_index=...)`, plus a label-smoothed
+    term, greedy decoding with `topk` and an EOS break."""
+
+    def __init__(self, max_length=6):
+        super().__init__()
+        self.enc_emb, self.enc = nn.Embedding(9, H), nn.GRU(H, H)
+        self.emb, self.attn = nn.Embedding(9, H), nn.Linear(2 * H, max_length)
+        self.combine, self.dec, self.out = nn.Linear(2 * H, H), nn.GRU(H, H), nn.Linear(H, 9)
+        self.criterion, self.max_length = nn.NLLLoss(reduction="sum", ignore_index=7), max_length
+
+    def forward(self, item):
+        seed, (source, target) = item
+        teacher_forcing = random.Random(seed).random() < 0.5
+        hidden, outputs = torch.zeros(1, 1, H), torch.zeros(self.max_length, H)
+        for i, word in enumerate(source):
+            output, hidden = self.enc(self.enc_emb(torch.tensor([word])).view(1, 1, -1), hidden)
+            outputs[i] = output[0, 0]
+        y, loss = torch.tensor([[0]]), 0
+        for word in target:
+            embedded = self.emb(y).view(1, 1, -1)
+            weights = F.softmax(self.attn(torch.cat((embedded[0], hidden[0]), 1)), dim=1)
+            applied = torch.bmm(weights.unsqueeze(0), outputs.unsqueeze(0))
+            x = F.relu(self.combine(torch.cat((embedded[0], applied[0]), 1)).unsqueeze(0))
+            output, hidden = self.dec(x, hidden)
+            log_probs = F.log_softmax(self.out(output[0]), dim=1)
+            loss += self.criterion(log_probs, torch.tensor([word]))
+            loss = loss + 0.1 * F.cross_entropy(log_probs, torch.tensor([word]),
+                                                label_smoothing=0.1)
+            if teacher_forcing:
+                y = torch.tensor([word])
+            else:
+                y = log_probs.topk(1)[1].squeeze().detach()
+                if y.item() == 1:
+                    break
+        return loss
+
+
+class PointerBeam(nn.Module):
+    """A pointer network decoding by beam search: Python lists of (score, state) hypotheses,
+    visited points masked with `masked_fill(mask, -inf)`, `topk` of each hypothesis."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.cell = nn.GRU(2, H), nn.GRUCell(2, H)
+        self.Wq, self.Wk, self.v = nn.Linear(H, H), nn.Linear(H, H, bias=False), nn.Linear(H, 1)
+
+    def log_probs(self, enc, h, visited):
+        mask = torch.zeros(enc.size(0), dtype=torch.bool)
+        mask[visited] = True
+        scores = self.v(torch.tanh(self.Wk(enc) + self.Wq(h))).squeeze(-1)
+        return F.log_softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+
+    def forward(self, points, beam=2):
+        enc, h = self.enc(points.unsqueeze(1))
+        hypotheses = [(0.0, torch.zeros(1, 2), h[0], [], 0)]
+        for _ in range(points.size(0)):
+            extended = []
+            for score, x, h, visited, log_likelihood in hypotheses:
+                h = self.cell(x, h)
+                log_probs = self.log_probs(enc.squeeze(1), h, visited)
+                values, indices = log_probs.topk(min(beam, points.size(0) - len(visited)))
+                for v, i in zip(values.tolist(), indices.tolist()):
+                    extended.append((score + v, points[i:i + 1], h, visited + [i],
+                                     log_likelihood + log_probs[i]))
+            hypotheses = sorted(extended, key=lambda hypothesis: -hypothesis[0])[:beam]
+        return -hypotheses[0][4]
+
+
+class PlanarFlow(nn.Module):
+    """A per-instance linear map and a planar flow: `torch.linalg.slogdet`, `solve`, `inv`,
+    a Normal's `log_prob`."""
+
+    def __init__(self):
+        super().__init__()
+        self.A, self.u, self.w = nn.Linear(3, 9), nn.Parameter(torch.randn(3)), nn.Linear(3, 1)
+
+    def forward(self, context, z):
+        M = self.A(context).view(3, 3) + 3 * torch.eye(3)
+        _, log_det = torch.linalg.slogdet(M)
+        z = M @ z
+        a = torch.tanh(self.w(z))
+        z = z + self.u * a
+        psi = (1 - a ** 2) * self.w.weight[0]
+        log_det = log_det + torch.log(torch.abs(1 + torch.dot(self.u, psi)))
+        prior = torch.distributions.Normal(torch.zeros(3), torch.ones(3))
+        return -(prior.log_prob(z).sum() + log_det) + torch.linalg.solve(M, z).pow(2).sum() \
+            + torch.linalg.inv(M).sum()
+
+
+class GraphLayers(nn.Module):
+    """A GNN of residual layers (`nn.ModuleList`, GELU, LayerNorm) summing messages into fresh
+    zeros in place, `index_add_` and `scatter_add_`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, H), nn.Linear(H, 3)
+        self.msgs = nn.ModuleList([nn.Linear(H, H) for _ in range(2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(H) for _ in range(2)])
+
+    def forward(self, x, src, dst):
+        h = self.inp(x)
+        for k, (msg, norm) in enumerate(zip(self.msgs, self.norms)):
+            agg = torch.zeros(x.size(0), H)
+            if k == 0:
+                agg.index_add_(0, dst, msg(h)[src])
+            else:
+                agg.scatter_add_(0, dst.unsqueeze(-1).expand(-1, H), msg(h).index_select(0, src))
+            h = norm(h + F.gelu(agg))
+        return self.out(h.mean(0, keepdim=True))
 
 
 # ---- recurrent and attention layers -----------------------------------------------------------
@@ -683,6 +823,8 @@ ZOO = {
                                 list(enumerate(TREES))),
     "gnn-index-add": entry(lambda: MessagePassing(False), lambda m, it: m(*it) ** 2, graphs()),
     "gnn-scatter-add": entry(lambda: MessagePassing(True), lambda m, it: m(*it) ** 2, graphs()),
+    "gcn-sparse-adjacency": entry(GCN, lambda m, it: F.cross_entropy(m(*it[1]), label(it[0])),
+                                  list(enumerate(sparse_adjacencies()))),
     "torch-functions": entry(Functions, lambda m, it: m(*it), xy_rows()),
     "rows-1xn": entry(Rows, lambda m, it: m(*it), xy_rows()),
     "reductions": entry(Reductions, lambda m, x: m(x), sequences(), fewer=1.5),
@@ -695,6 +837,16 @@ ZOO = {
     "crf-forward-algorithm": entry(CRF, lambda m, it: m(*it), tagged(), fewer=2),
     "crf-viterbi-item": entry(CRF, lambda m, it: m.viterbi_loss(*it), tagged(), mapped=True,
                               fewer=2),
+    "tutorial-seq2seq-random-teacher-forcing": entry(
+        TutorialSeq2Seq, lambda m, it: m(it),
+        list(enumerate(PAIRS + [([2, 5, 6, 8], [7, 3, 1])])), mapped=True),
+    "pointer-beam-search": entry(PointerBeam, lambda m, p: m(p),
+                                 draw(3, (3, 2), (5, 2), (2, 2), (4, 2), (1, 2)), mapped=True),
+    "planar-flow-slogdet-solve": entry(PlanarFlow, lambda m, it: m(it[0], it[1][0]),
+                                       list(zip(draw(3, *[(1, 3)] * 5), draw(4, *[(1, 3)] * 5)))),
+    "gnn-in-place-residual-layers": entry(GraphLayers,
+                                          lambda m, it: F.cross_entropy(m(*it[1]), label(it[0])),
+                                          list(enumerate(graphs())), fewer=2),
     "easy-first-argmax": entry(EasyFirst, lambda m, ws: m(ws),
                                [[1, 2, 3], [4, 5], [6, 7, 8, 9], [1], [2, 3, 4, 5, 6]],
                                mapped=True),
@@ -863,6 +1015,53 @@ def test_an_in_place_write_that_eager_torch_refuses_raises_at_the_call(target, w
             buffer.add_(write(W * 2))
 
 
+PARAMETER_WRITES = {  # under torch.no_grad(), operands computed from parameters
+    "W.copy_(W * 2)": lambda W, V: W.copy_(W * 2),
+    "W.div_(norms)": lambda W, V: W.div_(W.norm(dim=1, keepdim=True)),
+    "moving average V.mul_(0.9).add_(0.1 * W)": lambda W, V: V.mul_(0.9).add_(0.1 * W),
+    "W[0].fill_(0.5)": lambda W, V: W[0].fill_(0.5),
+    "W[1:].mul_(W[0])": lambda W, V: W[1:].mul_(W[0]),
+    "nn.init.zeros_(W[:, 1])": lambda W, V: nn.init.zeros_(W[:, 1]),
+    "W[0] = V[1] * 2": lambda W, V: W.__setitem__(0, V[1] * 2),
+}
+
+
+@pytest.mark.parametrize("name", PARAMETER_WRITES)
+def test_an_in_place_write_into_a_parameter_is_seen_by_the_calls_after_it(name):
+    """A max-norm constraint, a target network's moving average, a padding row reset: the
+    write reaches the parameter at the call, as eagerly; calls before it see the old values,
+    calls after it the new ones (and so does the parameter after the graph)."""
+    x = torch.randn(4)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W, V = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))
+        with context:
+            before = (W @ x).sum() + (V @ x).sum()
+            with torch.no_grad():
+                PARAMETER_WRITES[name](W, V)
+            after = (W @ x).sum() + (V @ x).sum()
+            runs.append((before.item(), after.item(), W.detach().clone(), V.detach().clone()))
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_write_through_a_parameters_data_before_its_first_use_is_seen_by_that_use():
+    """`W.data.copy_(h)` (another tensor object, the same storage) before the graph reads W:
+    the calls that read W afterwards see the values written, as eagerly."""
+    x = torch.randn(3)
+    runs = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W, V = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+        with context:
+            with torch.no_grad():
+                W.data.copy_(V * 2)
+            runs.append(((W * x).sum().item(), W.detach().clone()))
+    assert runs[1][0] == pytest.approx(runs[0][0], abs=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=0, atol=1e-12)
+
+
 def test_an_in_place_write_of_an_expression_into_a_view_raises():
     """Eagerly the write reaches the tensor viewed (and its other views); batched it would not,
     so it is refused, naming the call and the way that works."""
@@ -917,6 +1116,60 @@ def test_distribution_checks_are_off_inside_a_graph_only():
     with fb.Graph():
         assert torch.distributions.Distribution._validate_args is False
     assert torch.distributions.Distribution._validate_args is default
+
+
+NOISE_OF_A_SHAPE = {  # functions whose draws need the operand's shape, not its values
+    "gumbel_softmax": lambda z: F.gumbel_softmax(z, tau=0.5),
+    "gumbel_softmax-hard": lambda z: F.gumbel_softmax(z, hard=True),
+    "dropout1d": lambda z: F.dropout1d(z.t(), 0.4).t(),
+    "dropout2d": lambda z: nn.Dropout2d(0.4)(z.view(1, -1, 2, 2)).view(z.shape),
+    "dropout3d": lambda z: F.dropout3d(z.view(2, 2, 2, -1), 0.4).view(z.shape),
+    "alpha_dropout": lambda z: nn.AlphaDropout(0.3)(z),
+    "feature_alpha_dropout": lambda z: F.feature_alpha_dropout(z.unsqueeze(0), 0.3, True)[0],
+}
+
+
+@pytest.mark.parametrize("name", NOISE_OF_A_SHAPE)
+def test_noise_that_needs_no_values_is_drawn_at_the_call_as_eagerly(name):
+    """Channel dropout, alpha dropout and Gumbel noise draw from the stream as eager torch
+    does, at the call, without a forward per instance: the launches do not grow with the
+    instances."""
+    lin, noisy = seeded(nn.Linear(4, 4)), NOISE_OF_A_SHAPE[name]
+
+    def loss_of(x):
+        return (noisy(lin(x)) * torch.arange(1.0, 5.0)).pow(2).sum()
+
+    launches = []
+    for n in (3, 6):
+        items = draw(n, *[(2, 4)] * n)
+        torch.manual_seed(1)
+        eager = run_eager(lin, loss_of, items)
+        torch.manual_seed(1)
+        batched = run_batched(lin, loss_of, items, "agenda")
+        assert_same_training(eager, batched)
+        launches.append(batched.stats.batches)
+    assert launches[0] == launches[1]
+
+
+@pytest.mark.parametrize("make", [lambda W: torch.empty_like(W).exponential_(),
+                                  lambda W: torch.zeros_like(W).fill_(2.0),
+                                  lambda W: W.new_zeros(W.shape).add_(1.0),
+                                  lambda W: torch.rand_like(W).bernoulli_(0.5)])
+def test_a_tensor_made_like_a_parameter_is_a_plain_tensor_as_eagerly(make):
+    """`torch.empty_like(W).exponential_()` (noise of a parameter's shape): what is made
+    like a parameter holds none of its values, so it is a fresh tensor that takes in-place
+    writes, as eagerly."""
+    W = nn.Parameter(torch.randn(2, 3))
+    results = []
+    for context in (torch.enable_grad(), fb.Graph()):
+        torch.manual_seed(0)
+        W.grad = None
+        with context:
+            loss = (make(W) * W).sum()
+            loss.backward()
+            results.append((loss.item(), W.grad.clone()))
+    assert results[1][0] == pytest.approx(results[0][0], abs=1e-12)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-12)
 
 
 def test_randn_like_draws_per_instance_and_its_gradient_is_the_noise():

@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
-from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, _current,
-                    current_graph, live_graphs)
+from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, ParameterView,
+                    _current, _no_capture, current_graph, live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -979,6 +979,9 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     other write is an error (it has no storage); recorded out of place for a plain tensor
     written with expressions, which then stands for its new value."""
     target = args[0]
+    parameter = _parameter_written(target)
+    if parameter is not None:
+        return _write_into_parameter(func, parameter, args[1:], kwargs)
     if isinstance(target, Expression) and name.startswith("__i"):
         return _write_into_expression(func, name, target, args[1])
     if isinstance(target, Expression) and name == "requires_grad_":
@@ -1016,6 +1019,55 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         new = _as_written_into(func, target, new)
     g.shadows[id(target)] = (target, new)
     return target
+
+
+def _parameter_written(target: Any) -> torch.Tensor | None:
+    """The tensor an in-place write into `target` reaches when a forward reads it, not a copy
+    made at the call: a parameter (a leaf that requires grad), an embedding table the graph
+    reads, or a constant part of a parameter taken as an expression (`W[0]`, `W[:, 1]`)."""
+    if isinstance(target, Expression):
+        g, node = target.graph, target.id
+        op = None if g.closed else g.op_of(node)
+        if op is PARAMETER:
+            view = g.attr_of(node)
+            with _no_capture():
+                return view() if isinstance(view, ParameterView) else view
+        if op is ops.LOOKUP:  # a row indexed out of a table (`W[0]`), not an F.embedding
+            table = g.attr_of(node)[0]
+            with _no_capture():
+                rows = g.row_views.get(table.untyped_storage().data_ptr(), ())
+                return next((table[row] for viewer, _, row in rows if viewer == node), None)
+        return None
+    if not isinstance(target, torch.Tensor):
+        return None
+    with _no_capture():
+        if target.is_leaf and target.requires_grad:
+            return target
+        storage = target.untyped_storage().data_ptr()
+    graph = _current.get()
+    return target if graph is not None and not graph.closed and storage and \
+        graph.reads_later({storage}) else None
+
+
+def _write_into_parameter(func: Callable, parameter: torch.Tensor, args: tuple,
+                          kwargs: dict) -> Any:
+    """An in-place write with expressions among its operands into what a forward reads
+    (`_parameter_written`): a max-norm constraint `W.div_(W.norm(dim=1, keepdim=True))`, a
+    target network's moving average `p_t.mul_(m).add_((1 - m) * p)`, `W[0].fill_(0)` under
+    torch.no_grad(). It is made on the tensor itself with the operands' values (a forward),
+    as eagerly: the nodes recorded before it see the old values (`_before_write`), those
+    after it the new ones. (Recorded out of place, the later reads of the tensor would read
+    its old storage.)"""
+    def value(x):
+        return x.graph.value_of(x.graph.node_of(x)) if isinstance(x, Expression) else x
+
+    args, kwargs = pytree.tree_map(value, (args, kwargs))
+    after_write = _before_write(parameter)
+    with _no_capture():
+        result = func(parameter, *args, **kwargs)
+    if after_write is not None:
+        after_write()
+    return result
 
 
 def _write_into_expression(func: Callable, name: str, target: Expression, other: Any) -> Any:
@@ -1643,6 +1695,54 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return ops.dropout(input, p, training)
 
 
+_SELU_ALPHA = 1.7580993408473766  # aten's alpha dropout: -selu's scale * alpha
+
+
+def _noise_dropout(feature: bool, alpha: bool):
+    """torch.feature_dropout, alpha_dropout, feature_alpha_dropout (under F.dropout1d/2d/3d,
+    F.alpha_dropout, nn.AlphaDropout...): the noise needs the input's shape, not its values,
+    so it is drawn when the call is written, by aten's own calls (`_dropout_impl`), taking
+    the numbers eager torch takes; the input times it (plus alpha dropout's shift) is
+    recorded. On the values it would cost a forward per call."""
+    def handler(input, p, train):
+        if not isinstance(input, Expression) or not _is_float(input.graph, input) or \
+                not 0 <= p < 1:  # (p = 1 zeroes without a draw, any other p raises)
+            return NotImplemented
+        shape = tuple(input.shape)
+        if not train or p == 0 or math.prod(shape) == 0:  # eager returns its input
+            return input
+        if feature and len(shape) < 2:
+            return NotImplemented  # torch's error
+        g = input.graph
+        noise_shape = shape[:2] + (1,) * (len(shape) - 2) if feature else shape
+        with torch._C.DisableTorchFunction():
+            noise = torch.empty(noise_shape, dtype=g.dtype_of(input.id),
+                                device=g.device or "cpu").bernoulli_(1 - p)
+            if alpha:
+                a = 1.0 / math.sqrt((_SELU_ALPHA * _SELU_ALPHA * p + 1) * (1 - p))
+                shift = noise.add(-1).mul_(_SELU_ALPHA * a).add_(_SELU_ALPHA * a * p)
+                noise.mul_(a)
+            else:
+                noise.div_(1 - p)
+        return input * noise + shift if alpha else input * noise
+    return handler
+
+
+def _own_body(func: Callable) -> Callable:
+    """A torch.nn.functional function written in Python run as its own body on expressions
+    (its `handle_torch_function` hand-off skipped), so each torch call in it is recorded or
+    run as any other: F.gumbel_softmax's noise (`empty_like(logits).exponential_()`) is drawn
+    at the call as eagerly instead of the whole function running on the values (a forward
+    per call, as a function that draws random numbers must)."""
+    never = lambda *args: False  # noqa: E731 - the hand-off's test, answered
+    body = types.FunctionType(func.__code__, {**func.__globals__, "has_torch_function": never,
+                                              "has_torch_function_unary": never,
+                                              "has_torch_function_variadic": never},
+                              func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
 def _reduce_all(rule):
     def handler(x, *args, **kwargs):
         if args or kwargs or not isinstance(x, Expression) or not _is_float(x.graph, x):
@@ -1669,25 +1769,32 @@ def _detached(batch):
 
 
 def _like(func: Callable):
-    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's shape (the values
-    of the expression are not needed)."""
+    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's (or the
+    parameter's) shape, as eagerly: the values of what it is made like are not needed."""
     def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression):
+        if isinstance(x, Expression):
+            g = x.graph
+            stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        elif isinstance(x, torch.Tensor):
+            stand_in = x
+        else:
             return NotImplemented
-        g = x.graph
-        stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
         with torch._C.DisableTorchFunction():
             return func(stand_in, *args, **kwargs)
     return handler
 
 
 def _new(func: Callable):
-    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device."""
+    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device (x an
+    expression or a parameter)."""
     def handler(x, *args, **kwargs):
-        if not isinstance(x, Expression):
+        if isinstance(x, Expression):
+            g = x.graph
+            stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+        elif isinstance(x, torch.Tensor):
+            stand_in = x
+        else:
             return NotImplemented
-        g = x.graph
-        stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
         with torch._C.DisableTorchFunction():
             return func(stand_in, *args, **kwargs)
     return handler
@@ -2144,7 +2251,7 @@ _binary_ops = {
 for _op, (_funcs, _reflected) in _binary_ops.items():
     _register(_funcs, _fb_binary(getattr(ops, _op)))
     _register(_reflected, _fb_binary(getattr(ops, _op), reflected=True))
-_register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm), _matmul)
+_register((torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm, torch.sparse.mm), _matmul)
 _register((T.__rmatmul__,), _rmatmul)
 _register((torch.cat, torch.concat, torch.concatenate), _cat)
 _register((torch.stack,), _stack_rows)
@@ -2175,8 +2282,9 @@ for _func in (torch.softmax, T.softmax, F.softmax):
 for _func in (torch.log_softmax, T.log_softmax, F.log_softmax):
     _register((_func,), _padded_vector(ops.log_softmax, _func, "log_softmax"))
 _register((torch.transpose, T.transpose), _transpose)
+_argmax_along = _shifted(T.argmax, 1, "argmax")  # (one handler: its plans are kept per handler)
 _register((T.argmax,), lambda x, dim=None, keepdim=False: NotImplemented if dim is None
-          else _shifted(T.argmax, 1, "argmax")(x, dim, keepdim))
+          else _argmax_along(x, dim, keepdim))
 for _func in (torch.pow, T.pow, T.__pow__, T.__rpow__, torch.clamp, T.clamp, torch.clip, T.clip,
               torch.maximum, torch.minimum, torch.where, F.gelu, F.elu, F.leaky_relu, F.silu,
               F.softplus, F.hardtanh, F.relu6, F.selu, F.celu, F.mish, F.softsign, F.tanhshrink,
@@ -2227,6 +2335,12 @@ _register((F.embedding,), _embedding)
 _register((F.layer_norm,), _as_is(F.layer_norm, weights=(2, 3, "weight", "bias")))
 _register((F.group_norm,), _group_norm)
 _register((F.dropout, torch.dropout), _dropout)
+_register((torch.feature_dropout,), _noise_dropout(feature=True, alpha=False))
+_register((torch.alpha_dropout,), _noise_dropout(feature=False, alpha=True))
+_register((torch.feature_alpha_dropout,), _noise_dropout(feature=True, alpha=True))
+for _func in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+              F.gumbel_softmax):
+    _register((_func,), _own_body(_func))
 _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like, torch.randint_like):

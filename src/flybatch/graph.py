@@ -363,6 +363,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(key)
         if node is None:
             self.check_tensor("parameter", tensor)
+            self._write_aliases_of(tensor)
             node = self.n_nodes
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
@@ -390,6 +391,23 @@ class Graph(_core.Store):
         self._read_storages = None
         super().forget(tensor)
 
+    def _write_aliases_of(self, tensor: torch.Tensor) -> None:
+        """Before the graph first reads `tensor` as a parameter (its storage, when a forward
+        runs): what it wrote into another tensor object of that storage (`W.data.copy_(h)`)
+        is written into the storage now, as it was eagerly at its call. (The write stood for
+        the other object's new value only.)"""
+        if not self.shadows:
+            return
+        with _no_capture():
+            storage = tensor.untyped_storage().data_ptr()
+            aliases = [key for key, (target, _) in self.shadows.items() if target is not tensor
+                       and target.untyped_storage().data_ptr() == storage]
+        for key in aliases:
+            target, new = self.shadows.pop(key)
+            value = self.value_of(self.node_of(new))
+            with _no_capture(), torch.no_grad():
+                target.copy_(value)
+
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
         value = self.attr_of(node)
@@ -401,6 +419,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(leaf_key)
         if node is None:
             self.check_tensor("parameter", tensor)
+            self._write_aliases_of(tensor)
             view = ParameterView(tensor, key)  # holds the tensor: its id stays its own
             with _no_capture():
                 shape = tuple(view().shape)
@@ -470,7 +489,8 @@ class Graph(_core.Store):
         DyNet): it is copied unless `owned` (a fresh tensor nobody else can write), so a
         buffer reused afterwards does not change the node. With `keep_grad`, gradient flows
         back into `tensor`'s own autograd history. A one-element integer tensor on the CPU (a
-        label, a row number) is kept as the int it holds (`INDEX_INPUT`)."""
+        label, a row number) is kept as the int it holds (`INDEX_INPUT`); a sparse tensor
+        holds its dense value."""
         with _no_capture():  # flybatch's own tensor work, not the user's: no capture dispatch
             if tensor.device.type == "meta":
                 raise ValueError(f"input: a tensor of shape {tuple(tensor.shape)} on the meta "
@@ -484,6 +504,11 @@ class Graph(_core.Store):
                 self.node_dtypes[node] = dtype
                 return node
             value = tensor if keep_grad else tensor.detach()
+            if value.layout != torch.strided:
+                # A sparse matrix (a graph's adjacency, `torch.sparse.mm(adj, h)`, `adj @ h`)
+                # is its dense value: a batch stacks dense tensors, and the products compute
+                # the same values and gradients with it.
+                value, owned = value.to_dense(), True
             if not owned:
                 value = value.clone()
                 self._meet_dtype(tensor)  # a tensor the user made, not one flybatch converted
@@ -562,15 +587,25 @@ class Graph(_core.Store):
         if len(hits):
             readers = np.searchsorted(arg_ptr, hits + arg_ptr[first], side="right") - 1
             late = readers > points[np.searchsorted(nodes, reads[hits])]
-            if late.any():
-                k = int(np.argmax(late))
-                reader = int(readers[k])
+            for k in np.nonzero(late)[0].tolist():
+                reader, node = int(readers[k]), int(reads[hits[k]])
+                if self._sums_the_written_value(reader, node):
+                    continue
                 where = (self.origins or {}).get(reader) or \
                     "(fb.Graph(debug=True) names the line)"
-                self._stale(int(reads[hits[k]]), f"a {self.op_of(reader).name} node {where}")
+                self._stale(node, f"a {self.op_of(reader).name} node {where}")
         for e in exprs:
             if isinstance(e, Expression) and e.graph is self and e.id in self.overwritten:
                 self._stale(e.id, "a value request")
+
+    def _sums_the_written_value(self, reader: int, node: int) -> bool:
+        """Whether `reader` reads the written node `node` only as a term of its new value: a
+        scalar `loss + x` after `loss += y` is one esum of the new value's terms (`y` and the
+        node written), which adds what eagerly is in the tensor after the write."""
+        point = self.overwritten[node][0]
+        terms = self.args_of(point)
+        return (self.op_of(reader).name == "esum" and node in terms
+                and self.args_of(reader)[:len(terms)] == terms)
 
     def _stale(self, node: int, reader: str) -> None:
         point, func = self.overwritten[node]
