@@ -669,6 +669,11 @@ std::uint64_t fingerprint_of(Local v) {
   return z ^ (z >> 31);
 }
 
+// Up to this many signatures, a list schedule picks by scanning the signatures with ready nodes
+// instead of keeping a heap of them: fewer instructions per pick on the small forwards where
+// `auto` runs many list schedules (the climb).
+constexpr std::size_t kScanSignatures = 64;
+
 // A list scheduler over signatures rather than (signature, rank) groups: a launch of signature
 // s takes EVERY ready node of s (more computed nodes never delay a later launch, so an optimal
 // schedule exists among these), and the only choice is which signature runs next.
@@ -705,7 +710,8 @@ class ListRun {
         priority_(priority), backward_(backward), waiting_(edges.inputs),
         left_(sigs.count(), 0), slots_(nodes.n), begin_(sigs.count(), 0),
         filled_(sigs.count(), 0), taken_(sigs.count(), 0), top_(sigs.count(), -1),
-        key_(sigs.count(), 0.0), is_dirty_(sigs.count(), 0),
+        key_(sigs.count(), 0.0), scan_(sigs.count() <= kScanSignatures),
+        is_dirty_(sigs.count(), 0),
         launches_left_(groups, sigs, flags, /*by_rank=*/!backward) {
     const Local n = nodes.n;
     if (backward)
@@ -736,6 +742,7 @@ class ListRun {
   // The signature `priority` ranks first (with `second`, second when there is one), or -1
   // when no node is ready. Counts a choice.
   std::int32_t by_priority(bool second) {
+    if (scan_) return by_scan(second);
     for (std::int32_t t : dirty_) {
       is_dirty_[t] = 0;
       if (filled_[t] > taken_[t]) by_key_.emplace(key_[t], -t);
@@ -801,6 +808,35 @@ class ListRun {
     }
   }
 
+  // by_priority over few signatures: `dirty_` lists every signature that may have ready nodes
+  // (make_ready adds it, this drops it once it has none), scanned for the two best keys (ties:
+  // the lower signature, as the heap's order).
+  std::int32_t by_scan(bool second) {
+    std::int32_t best = -1, next = -1;
+    auto ahead = [&](std::int32_t a, std::int32_t b) {
+      return b < 0 || key_[a] > key_[b] || (key_[a] == key_[b] && a < b);
+    };
+    for (std::size_t i = 0; i < dirty_.size();) {
+      const std::int32_t t = dirty_[i];
+      if (filled_[t] == taken_[t]) {  // run since it was listed
+        is_dirty_[t] = 0;
+        dirty_[i] = dirty_.back();
+        dirty_.pop_back();
+        continue;
+      }
+      if (ahead(t, best)) {
+        next = best;
+        best = t;
+      } else if (ahead(t, next)) {
+        next = t;
+      }
+      ++i;
+    }
+    if (best < 0) return best;
+    ++choices;
+    return second && next >= 0 ? next : best;
+  }
+
   std::int32_t pop_valid() {
     while (!by_key_.empty()) {
       const auto [k, minus] = by_key_.top();
@@ -826,7 +862,9 @@ class ListRun {
   std::vector<std::int32_t> top_;
   std::vector<double> key_;
   // Signatures whose key changed since the last pick are pushed once, at the next pick: an
-  // entry per launch and signature, not per node. An entry whose key is stale is skipped.
+  // entry per launch and signature, not per node. An entry whose key is stale is skipped. With
+  // `scan_` (at most kScanSignatures signatures) there is no heap: see by_scan.
+  bool scan_;
   std::vector<std::int32_t> dirty_, safe_;
   std::vector<std::uint8_t> is_dirty_;  // bytes: a vector<bool>'s bit arithmetic costs more
   std::priority_queue<std::pair<double, std::int32_t>> by_key_;  // (key, -signature)
