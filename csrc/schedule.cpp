@@ -697,7 +697,8 @@ constexpr std::size_t kScanSignatures = 64;
 // launches, the tight bound).
 //
 // Cost: each node joins its signature's ready list once and pushes one heap entry (an entry
-// whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes).
+// whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes). Over
+// at most kScanSignatures signatures a pick scans them instead: O(signatures) per pick.
 //
 // The state of a run is a copyable object, so that `climb` can try another choice from the
 // middle of a run without repeating its beginning.
@@ -957,7 +958,8 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
 //
 // Bench quality's graphs (20 instances, seed 0): skip-chain 64 -> 58 launches (the lower
 // bound), random-dag 38 -> 36, mixed-op-tree 59 -> 57, message-passing 43 -> 42. Cost: the run
-// followed once, and per flip a copy of its state and the rest of a run, stopped once it
+// followed once (the list schedule itself is not run again where fewest_launches hands over
+// its plan and choices), and per flip a copy of its state and the rest of a run, stopped once it
 // cannot beat the schedule so far. The flips' work (nodes copied and run) may reach
 // kClimbStart per node and edge of the forward, and kClimbGain more after each flip that
 // gained: a climb that finds nothing stops after a few list schedules' worth, one that gains
