@@ -341,7 +341,9 @@ struct Plan {
   i64 launches = 0;         // batches of ops that launch a kernel (not leaves)
 
   void add(const Local* batch, std::size_t size, bool launch) {
-    order.insert(order.end(), batch, batch + size);
+    const std::size_t at = order.size();  // a resize and a copy: cheaper than a range insert
+    order.resize(at + size);
+    std::copy(batch, batch + size, order.begin() + static_cast<std::ptrdiff_t>(at));
     ends.push_back(static_cast<Local>(order.size()));
     launches += launch;
   }
@@ -667,6 +669,11 @@ std::uint64_t fingerprint_of(Local v) {
   return z ^ (z >> 31);
 }
 
+// Up to this many signatures, a list schedule picks by scanning the signatures with ready nodes
+// instead of keeping a heap of them: fewer instructions per pick on the small forwards where
+// `auto` runs many list schedules (the climb).
+constexpr std::size_t kScanSignatures = 64;
+
 // A list scheduler over signatures rather than (signature, rank) groups: a launch of signature
 // s takes EVERY ready node of s (more computed nodes never delay a later launch, so an optimal
 // schedule exists among these), and the only choice is which signature runs next.
@@ -690,7 +697,8 @@ std::uint64_t fingerprint_of(Local v) {
 // launches, the tight bound).
 //
 // Cost: each node joins its signature's ready list once and pushes one heap entry (an entry
-// whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes).
+// whose key is no longer its signature's is skipped): O((nodes + edges) + nodes log nodes). Over
+// at most kScanSignatures signatures a pick scans them instead: O(signatures) per pick.
 //
 // The state of a run is a copyable object, so that `climb` can try another choice from the
 // middle of a run without repeating its beginning.
@@ -703,7 +711,8 @@ class ListRun {
         priority_(priority), backward_(backward), waiting_(edges.inputs),
         left_(sigs.count(), 0), slots_(nodes.n), begin_(sigs.count(), 0),
         filled_(sigs.count(), 0), taken_(sigs.count(), 0), top_(sigs.count(), -1),
-        key_(sigs.count(), 0.0), is_dirty_(sigs.count(), false),
+        key_(sigs.count(), 0.0), scan_(sigs.count() <= kScanSignatures),
+        is_dirty_(sigs.count(), 0),
         launches_left_(groups, sigs, flags, /*by_rank=*/!backward) {
     const Local n = nodes.n;
     if (backward)
@@ -718,7 +727,8 @@ class ListRun {
 
   Plan plan;
   i64 choices = 0;                 // picks made by priority so far
-  std::uint64_t fingerprint = 0;   // of the nodes run (see Steering)
+  std::uint64_t fingerprint = 0;   // of the nodes run, when `fingerprinted` (see Steering)
+  bool fingerprinted = false;      // only the climb reads fingerprints
 
   // A signature all of whose nodes not yet run are ready, or -1.
   std::int32_t all_ready() {
@@ -733,8 +743,9 @@ class ListRun {
   // The signature `priority` ranks first (with `second`, second when there is one), or -1
   // when no node is ready. Counts a choice.
   std::int32_t by_priority(bool second) {
+    if (scan_) return by_scan(second);
     for (std::int32_t t : dirty_) {
-      is_dirty_[t] = false;
+      is_dirty_[t] = 0;
       if (filled_[t] > taken_[t]) by_key_.emplace(key_[t], -t);
     }
     dirty_.clear();
@@ -762,7 +773,7 @@ class ListRun {
     plan.add(batch, size, !(*flags_)[s].leaf);
     launches_left_.ran(batch, size);
     for (std::size_t i = 0; i < size; ++i) {
-      fingerprint += fingerprint_of(batch[i]);
+      if (fingerprinted) fingerprint += fingerprint_of(batch[i]);
       if (backward_)
         for_each_input(*nodes_, batch[i], [&](Local u) {
           if (--waiting_[u] == 0 && runs(u)) make_ready(u);
@@ -793,9 +804,38 @@ class ListRun {
     if (filled_[s] - taken_[s] == left_[s]) {
       safe_.push_back(s);  // every node of s not yet run is ready
     } else if (!is_dirty_[s]) {
-      is_dirty_[s] = true;
+      is_dirty_[s] = 1;
       dirty_.push_back(s);
     }
+  }
+
+  // by_priority over few signatures: `dirty_` lists every signature that may have ready nodes
+  // (make_ready adds it, this drops it once it has none), scanned for the two best keys (ties:
+  // the lower signature, as the heap's order).
+  std::int32_t by_scan(bool second) {
+    std::int32_t best = -1, next = -1;
+    auto ahead = [&](std::int32_t a, std::int32_t b) {
+      return b < 0 || key_[a] > key_[b] || (key_[a] == key_[b] && a < b);
+    };
+    for (std::size_t i = 0; i < dirty_.size();) {
+      const std::int32_t t = dirty_[i];
+      if (filled_[t] == taken_[t]) {  // run since it was listed
+        is_dirty_[t] = 0;
+        dirty_[i] = dirty_.back();
+        dirty_.pop_back();
+        continue;
+      }
+      if (ahead(t, best)) {
+        next = best;
+        best = t;
+      } else if (ahead(t, next)) {
+        next = t;
+      }
+      ++i;
+    }
+    if (best < 0) return best;
+    ++choices;
+    return second && next >= 0 ? next : best;
   }
 
   std::int32_t pop_valid() {
@@ -823,9 +863,11 @@ class ListRun {
   std::vector<std::int32_t> top_;
   std::vector<double> key_;
   // Signatures whose key changed since the last pick are pushed once, at the next pick: an
-  // entry per launch and signature, not per node. An entry whose key is stale is skipped.
+  // entry per launch and signature, not per node. An entry whose key is stale is skipped. With
+  // `scan_` (at most kScanSignatures signatures) there is no heap: see by_scan.
+  bool scan_;
   std::vector<std::int32_t> dirty_, safe_;
-  std::vector<bool> is_dirty_;
+  std::vector<std::uint8_t> is_dirty_;  // bytes: a vector<bool>'s bit arithmetic costs more
   std::priority_queue<std::pair<double, std::int32_t>> by_key_;  // (key, -signature)
   LaunchesLeft launches_left_;
 };
@@ -846,8 +888,11 @@ struct Steering {
 
 // Runs `run` to its end (or its limit, as list_schedule's), as `steer` says; a complete run
 // past its last flip adds its fingerprints to the trail. Returns the run's plan, moved out.
-Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr) {
+// `choices` (without `steer`, which has its own): gets Steering's `choices` of the run.
+Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr,
+            std::vector<Local>* choices = nullptr) {
   std::vector<std::pair<std::uint64_t, i64>> passed;  // fingerprint, launches so far
+  if (steer) choices = &steer->choices;
   std::size_t next_flip = 0;
   if (steer)
     while (next_flip < steer->flips.size() && steer->flips[next_flip] < run.choices) ++next_flip;
@@ -857,10 +902,10 @@ Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr) {
       const bool flip = steer && next_flip < steer->flips.size() &&
                         steer->flips[next_flip] == run.choices;
       next_flip += flip;
-      if (steer) steer->choices.push_back(static_cast<Local>(run.plan.ends.size()));
+      if (choices) choices->push_back(static_cast<Local>(run.plan.ends.size()));
       s = run.by_priority(flip);
       if (s < 0) {
-        if (steer) steer->choices.pop_back();
+        if (choices) choices->pop_back();
         break;  // nothing ready: all nodes run
       }
     }
@@ -888,9 +933,10 @@ Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr) {
 Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
                    const Signatures& sigs, const std::vector<OpFlags>& flags,
                    const std::vector<std::int32_t>& height, Priority priority,
-                   bool backward = false, i64 limit = INT64_MAX) {
+                   bool backward = false, i64 limit = INT64_MAX,
+                   std::vector<Local>* choices = nullptr) {
   ListRun run(nodes, groups, edges, sigs, flags, height, priority, backward);
-  Plan plan = finish(run, limit);
+  Plan plan = finish(run, limit, nullptr, choices);
   if (!backward || plan.launches >= limit) return plan;  // stopped at the limit: incomplete
   return reversed_after_leaves(plan, nodes, sigs, flags);
 }
@@ -912,7 +958,8 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
 //
 // Bench quality's graphs (20 instances, seed 0): skip-chain 64 -> 58 launches (the lower
 // bound), random-dag 38 -> 36, mixed-op-tree 59 -> 57, message-passing 43 -> 42. Cost: the run
-// followed once, and per flip a copy of its state and the rest of a run, stopped once it
+// followed once (the list schedule itself is not run again where fewest_launches hands over
+// its plan and choices), and per flip a copy of its state and the rest of a run, stopped once it
 // cannot beat the schedule so far. The flips' work (nodes copied and run) may reach
 // kClimbStart per node and edge of the forward, and kClimbGain more after each flip that
 // gained: a climb that finds nothing stops after a few list schedules' worth, one that gains
@@ -948,16 +995,43 @@ std::vector<bool> split_choices(const Plan& plan, const std::vector<Local>& choi
   return split;
 }
 
+// The trail (Steering) of a complete run without flips, read off its plan: after each launch,
+// the fingerprint of the nodes run so far and the launches the run made after it.
+std::unordered_map<std::uint64_t, i64> trail_of(const Plan& plan, const Signatures& sigs,
+                                                const std::vector<OpFlags>& flags) {
+  std::unordered_map<std::uint64_t, i64> trail;
+  std::uint64_t print = 0;
+  i64 launches = 0;
+  for (std::size_t b = 0; b < plan.ends.size(); ++b) {
+    const Local first = b ? plan.ends[b - 1] : 0;
+    for (Local i = first; i < plan.ends[b]; ++i) print += fingerprint_of(plan.order[i]);
+    launches += !flags[sigs.of[plan.order[first]]].leaf;
+    trail.emplace(print, plan.launches - launches);  // a repeated print keeps its first, least
+  }
+  return trail;
+}
+
+// `start`: the plan of the list schedule by `priority` and its choices (Steering's), when the
+// caller has them; otherwise the climb runs it first.
 Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const Signatures& sigs,
            const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
-           Priority priority) {
+           Priority priority, const Plan* start, const std::vector<Local>& start_choices) {
   const i64 size = static_cast<i64>(nodes.n) + static_cast<i64>(edges.consumers.size());
   i64 budget = kClimbStart * size, work = 0;
   Steering steer;
   ListRun at(nodes, groups, edges, sigs, flags, height, priority, false);  // follows `plan`
+  at.fingerprinted = true;
   ListRun trial = at;  // a flipped run; assigned from `at`, reusing its memory
-  Plan plan = finish(trial, INT64_MAX, &steer);
-  std::vector<Local> choices = std::move(steer.choices);
+  Plan plan;
+  std::vector<Local> choices;
+  if (start) {
+    plan = *start;
+    choices = start_choices;
+    steer.trail = trail_of(plan, sigs, flags);
+  } else {
+    plan = finish(trial, INT64_MAX, &steer);
+    choices = std::move(steer.choices);
+  }
   std::vector<bool> split = split_choices(plan, choices, groups, sigs);
   i64 after = -1;
   for (i64 flip = 0; flip < kClimbFlips && work < budget && plan.launches > groups.bound; ++flip) {
@@ -1024,14 +1098,20 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
   const Edges edges(nodes);
   const std::vector<std::int32_t> height = heights_of(nodes);
   Plan best;
-  auto list = [&](Priority priority) {
-    return list_schedule(nodes, groups, edges, sigs, flags, height, priority, false,
-                         best.launches);
-  };
-  Priority best_list = Priority::highest;  // the list schedule that won, climbed last
+  // The list schedule that won, climbed last, and its choices; whether `best` is its plan
+  // (else the climb runs it again).
+  Priority best_list = Priority::highest;
+  std::vector<Local> list_choices;
+  bool best_is_list = false, won_by_list = false;
   auto list_won = [&](Priority priority) {
-    Plan plan = list(priority);
-    if (plan.launches < best.launches) best_list = priority;
+    std::vector<Local> choices;
+    Plan plan = list_schedule(nodes, groups, edges, sigs, flags, height, priority, false,
+                              best.launches, &choices);
+    if (plan.launches < best.launches) {
+      best_list = priority;
+      list_choices = std::move(choices);
+      won_by_list = true;
+    }
     return plan;
   };
   const std::function<Plan()> candidates[] = {
@@ -1053,14 +1133,19 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
       [&] {
         const i64 size = nodes.n + static_cast<i64>(edges.consumers.size());
         if (size > kClimbSize) return Plan{{}, {}, INT64_MAX};  // small forwards only
-        return climb(nodes, groups, edges, sigs, flags, height, best_list);
+        return climb(nodes, groups, edges, sigs, flags, height, best_list,
+                     best_is_list ? &best : nullptr, list_choices);
       },
   };
   best = ranked_agenda(nodes, groups, edges, sigs, flags, &height, true);
   for (const auto& candidate : candidates) {
     if (best.launches == groups.bound) break;
+    won_by_list = false;
     Plan plan = candidate();  // stops at best.launches launches, incomplete, if it cannot win
-    if (plan.launches < best.launches) best = std::move(plan);
+    if (plan.launches < best.launches) {
+      best = std::move(plan);
+      best_is_list = won_by_list;
+    }
   }
   return best;
 }
