@@ -38,10 +38,29 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+class KernelChoice:
+    """Which implementation a family of kernels runs, one of `choices`: forced by the user
+    (`set`, or the environment variable `variable` at import) or "auto", the library's rule.
+    The GEMM path here and the LSTM layer's (lstm_layer.py) are two."""
+
+    def __init__(self, setter: str, noun: str, choices: tuple[str, ...], variable: str,
+                 default: str):
+        self.setter, self.noun, self.choices = setter, noun, choices
+        self.set(os.environ.get(variable, default))
+
+    def set(self, choice: str) -> None:
+        if choice not in self.choices:
+            raise ValueError(f"{self.setter}: {self.noun} must be one of {self.choices}, "
+                             f"got {choice!r}")
+        self.choice = choice
+
+    def get(self) -> str:
+        return self.choice
+
+
 GEMM_MODES = ("default", "auto", "onednn")
 gemm_counts: dict[str, int] = {"default": 0, "onednn": 0}
-
-_mode = "default"
+_gemm = KernelChoice("set_gemm", "mode", GEMM_MODES, "FLYBATCH_GEMM", "default")
 # (m bucket, k, n, transposed, with backward) -> "default" | "onednn", measured once per process.
 _decisions: dict[tuple[int, int, int, bool, bool], str] = {}
 
@@ -49,17 +68,11 @@ _decisions: dict[tuple[int, int, int, bool, bool], str] = {}
 def set_gemm(mode: str) -> None:
     """Force the GEMM path of shared-weight products: "default" (torch's own: MKL, cuBLAS),
     "onednn" (prepacked oneDNN wherever it applies) or "auto" (the faster, per shape class)."""
-    global _mode
-    if mode not in GEMM_MODES:
-        raise ValueError(f"set_gemm: mode must be one of {GEMM_MODES}, got {mode!r}")
-    _mode = mode
+    _gemm.set(mode)
 
 
 def get_gemm() -> str:
-    return _mode
-
-
-set_gemm(os.environ.get("FLYBATCH_GEMM", "default"))
+    return _gemm.get()
 
 
 # ---- model FLOPs ----------------------------------------------------------------------------------
@@ -185,11 +198,12 @@ def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpo
 
 def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
           grad: bool) -> str:
-    if _mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
+    mode = _gemm.choice
+    if mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
             or x.dim() != 2 or w.dim() != 2 or _root(w) is None \
             or transposed and grad:  # dX of a double backward: autograd must see the product
         return "default"
-    if _mode == "onednn":
+    if mode == "onednn":
         return "onednn"
     n, k = (w.shape[1], w.shape[0]) if transposed else w.shape
     key = (_bucket(x.shape[0]), k, n, transposed, grad)

@@ -34,7 +34,6 @@ runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a benchmark ca
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
@@ -45,24 +44,17 @@ from . import _core, kernels
 
 LSTM_PATHS = ("auto", "onednn", "stepwise")
 lstm_counts: dict[str, int] = {"onednn": 0, "stepwise": 0}
-
-_path = "auto"
+_path = kernels.KernelChoice("set_lstm", "path", LSTM_PATHS, "FLYBATCH_LSTM", "auto")
 
 
 def set_lstm(path: str) -> None:
     """Force the LSTM layer's kernel: "onednn" (torch's LSTM: oneDNN, cuDNN), "stepwise"
     (`StepwiseLSTM`, where it applies) or "auto" (stepwise where lengths differ on CPU)."""
-    global _path
-    if path not in LSTM_PATHS:
-        raise ValueError(f"set_lstm: path must be one of {LSTM_PATHS}, got {path!r}")
-    _path = path
+    _path.set(path)
 
 
 def get_lstm() -> str:
-    return _path
-
-
-set_lstm(os.environ.get("FLYBATCH_LSTM", "auto"))
+    return _path.get()
 
 
 def kernel(xs, attr, shape, lengths):
@@ -84,9 +76,9 @@ def kernel(xs, attr, shape, lengths):
 
 def _stepwise(x: torch.Tensor, lengths: np.ndarray | None) -> bool:
     applies = x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-    if _path == "auto":
+    if _path.choice == "auto":
         return applies and lengths is not None
-    return applies and _path == "stepwise"
+    return applies and _path.choice == "stepwise"
 
 
 def _count_products(x, w_ih, w_hh, lengths) -> None:
