@@ -140,6 +140,8 @@ INDEX_ERRORS = [
     ("pick a matrix row", lambda: fb.pick(m(2, 3), 2)),
     ("x[i]", lambda: v(3)[7]),
     ("pick_neg_log_softmax label", lambda: fb.pick_neg_log_softmax(v(3), 3)),
+    ("pick_neg_log_softmax label of a list", lambda: fb.pick_neg_log_softmax([v(()), v(())], 2)),
+    ("pick_neg_log_softmax label before a list", lambda: fb.pick_neg_log_softmax([v(())], -2)),
 ]
 
 
@@ -149,6 +151,18 @@ def test_out_of_range_index_raises_index_error_at_the_call(call):
         with pytest.raises(IndexError):
             call()
         assert g.stats().batches == 0
+
+
+def test_an_out_of_range_label_of_a_list_of_scores_names_the_op_and_the_list_length():
+    # A list of candidates' scores is indexed like a Python list (-1 is the last candidate);
+    # past either end the error says which op and how many scores, not "list index out of range".
+    with fb.Graph():
+        scores = [v(()), v(()), v(())]
+        with pytest.raises(IndexError, match=r"pick_neg_log_softmax: label 3 out of range for a "
+                                             r"list of 3 scores"):
+            fb.pick_neg_log_softmax(scores, 3)
+        with pytest.raises(IndexError, match="label -4 out of range for a list of 3 scores"):
+            fb.pick_neg_log_softmax(scores, -4)
 
 
 # ---- closed graphs -----------------------------------------------------------------------------
