@@ -329,3 +329,21 @@ def test_invalid_arguments_raise_value_error(call):
     with fb.Graph():
         with pytest.raises(ValueError):
             call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda g, e, t: g.forward([e, t]),
+    lambda g, e, t: g.forward([e, t], stack=True),
+    lambda g, e, t: g.backward([fb.sum_elems(e), t]),
+], ids=["forward", "forward(stack=True)", "backward"])
+def test_a_tensor_among_the_expressions_of_forward_or_backward_raises_type_error(call):
+    # forward and backward take expressions; a parameter or tensor among them (a parser that
+    # stacks its scores with a bias vector) is named, with the way to make it an expression,
+    # not an AttributeError from inside the graph.
+    W = torch.nn.Parameter(torch.ones(2))
+    with fb.Graph() as g:
+        e = fb.tanh(fb.input([1.0, 2.0]))
+        with pytest.raises(TypeError, match=r"Parameter is not a flybatch expression.*"
+                                            r"fb.parameter"):
+            call(g, e, W)
+        assert g.forward([e, fb.parameter(W)], stack=True).shape == (2, 2)
