@@ -155,13 +155,14 @@ def test_out_of_range_index_raises_index_error_at_the_call(call):
 
 def test_an_out_of_range_label_of_a_list_of_scores_names_the_op_and_the_list_length():
     # A list of candidates' scores is indexed like a Python list (-1 is the last candidate);
-    # past either end the error says which op and how many scores, not "list index out of range".
+    # past either end the error names the op and the list's length (as the vector case names
+    # its shape), not Python's bare "list index out of range".
     with fb.Graph():
         scores = [v(()), v(()), v(())]
-        with pytest.raises(IndexError, match=r"pick_neg_log_softmax: label 3 out of range for a "
+        with pytest.raises(IndexError, match=r"pick_neg_log_softmax: index 3 out of range for a "
                                              r"list of 3 scores"):
             fb.pick_neg_log_softmax(scores, 3)
-        with pytest.raises(IndexError, match="label -4 out of range for a list of 3 scores"):
+        with pytest.raises(IndexError, match="index -4 out of range for a list of 3 scores"):
             fb.pick_neg_log_softmax(scores, -4)
 
 

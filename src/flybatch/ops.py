@@ -530,7 +530,7 @@ def _pick_nls_of_list(x: Sequence[Operand], label: int) -> Expression:
     # Checked before any node is added, and named: Python's own error for the list would be a
     # bare "list index out of range" from inside flybatch.
     if not -len(x) <= label < len(x):
-        raise IndexError(f"pick_neg_log_softmax: label {label} out of range for a list of "
+        raise IndexError(f"pick_neg_log_softmax: index {label} out of range for a list of "
                          f"{len(x)} scores")
     return sub(logsumexp(x), x[label])
 
