@@ -140,6 +140,8 @@ INDEX_ERRORS = [
     ("pick a matrix row", lambda: fb.pick(m(2, 3), 2)),
     ("x[i]", lambda: v(3)[7]),
     ("pick_neg_log_softmax label", lambda: fb.pick_neg_log_softmax(v(3), 3)),
+    ("pick_neg_log_softmax label of a list", lambda: fb.pick_neg_log_softmax([v(()), v(())], 2)),
+    ("pick_neg_log_softmax label before a list", lambda: fb.pick_neg_log_softmax([v(())], -2)),
 ]
 
 
@@ -149,6 +151,19 @@ def test_out_of_range_index_raises_index_error_at_the_call(call):
         with pytest.raises(IndexError):
             call()
         assert g.stats().batches == 0
+
+
+def test_an_out_of_range_label_of_a_list_of_scores_names_the_op_and_the_list_length():
+    # A list of candidates' scores is indexed like a Python list (-1 is the last candidate);
+    # past either end the error names the op and the list's length (as the vector case names
+    # its shape), not Python's bare "list index out of range".
+    with fb.Graph():
+        scores = [v(()), v(()), v(())]
+        with pytest.raises(IndexError, match=r"pick_neg_log_softmax: index 3 out of range for a "
+                                             r"list of 3 scores"):
+            fb.pick_neg_log_softmax(scores, 3)
+        with pytest.raises(IndexError, match="index -4 out of range for a list of 3 scores"):
+            fb.pick_neg_log_softmax(scores, -4)
 
 
 # ---- closed graphs -----------------------------------------------------------------------------
@@ -315,3 +330,21 @@ def test_invalid_arguments_raise_value_error(call):
     with fb.Graph():
         with pytest.raises(ValueError):
             call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda g, e, t: g.forward([e, t]),
+    lambda g, e, t: g.forward([e, t], stack=True),
+    lambda g, e, t: g.backward([fb.sum_elems(e), t]),
+], ids=["forward", "forward(stack=True)", "backward"])
+def test_a_tensor_among_the_expressions_of_forward_or_backward_raises_type_error(call):
+    # forward and backward take expressions; a parameter or tensor among them (a parser that
+    # stacks its scores with a bias vector) is named, with the way to make it an expression,
+    # not an AttributeError from inside the graph.
+    W = torch.nn.Parameter(torch.ones(2))
+    with fb.Graph() as g:
+        e = fb.tanh(fb.input([1.0, 2.0]))
+        with pytest.raises(TypeError, match=r"Parameter is not a flybatch expression.*"
+                                            r"fb.parameter"):
+            call(g, e, W)
+        assert g.forward([e, fb.parameter(W)], stack=True).shape == (2, 2)

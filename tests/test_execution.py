@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import eager
 import flybatch as fb
 from flybatch import _core, execution, scheduling
 
@@ -578,4 +579,53 @@ def test_a_concat_of_rows_of_many_small_earlier_results_gives_eager_values_and_g
     expected = [(U @ torch.cat([eager[r] for r in rows])).sum() for rows in picks]
     torch.testing.assert_close(values, [v.item() for v in expected], rtol=1e-12, atol=1e-12)
     for got, want in zip((W.grad, E.grad, U.grad), torch.autograd.grad(sum(expected), (W, E, U))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _attention_steps(B, W, E, q, steps: int = 12):
+    """Per step, attention weights over 3 and over 3..5 source rows (`B` is fb or an eager
+    twin): results padded to their batch's longest, one forward per step when `B` is fb."""
+    short, longer = [], []
+    for k in range(steps):
+        weights = []
+        for length in (3, 3 + k % 3):
+            M = B.stack([B.tanh(W @ B.lookup(E, (k + j) % 20)) for j in range(length)])
+            weights.append(B.softmax(M @ q))
+        if B is fb:
+            weights[1].value()
+        short.append(weights[0])
+        longer.append(weights[1])
+    return short, longer
+
+
+@pytest.mark.parametrize("strategy", ["none", "depth", "agenda", "auto"])
+def test_reads_of_many_earlier_padded_results_and_a_parameter_give_eager_values_and_gradients(
+        strategy):
+    """A later forward reads one node of each of twelve earlier forwards' results, stored padded
+    to different widths, with a parameter among them: in one batch of a plain op (W3 @ a), of
+    a padded one (tanh of vectors of 3..5), as picks, and stacked by forward(stack=True)."""
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    E = torch.nn.Parameter(torch.randn(20, 3, dtype=torch.float64))
+    q = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    W3 = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    v = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    params = (W, E, q, W3, v)
+    with fb.Graph(strategy=strategy) as g:
+        short, longer = _attention_steps(fb, W, E, q)
+        short = short + [fb.parameter(v)]
+        stacked = g.forward(short, stack=True)
+        loss = fb.esum([fb.sum_elems(fb.tanh(W3 @ a)) for a in short]
+                       + [fb.sum_elems(fb.tanh(a) * 2.0) + a[0] for a in longer])
+        square_sum = (stacked * stacked).sum()  # a torch tensor, with the graph's history
+        value = loss.item() + square_sum.item()
+        loss.backward()
+        square_sum.backward()
+    short, longer = _attention_steps(eager, W, E, q)
+    short = short + [v]
+    expected = (sum(torch.tanh(W3 @ a).sum() for a in short)
+                + sum((torch.tanh(a) * 2.0).sum() + a[0] for a in longer)
+                + (torch.stack(short) ** 2).sum())
+    torch.testing.assert_close(value, expected.item(), rtol=1e-12, atol=1e-12)
+    for got, want in zip([p.grad for p in params], torch.autograd.grad(expected, params)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

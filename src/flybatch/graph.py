@@ -624,8 +624,15 @@ class Graph(_core.Store):
 
     def node_of(self, x: Expression) -> int:
         """The node id of `x`, checking that it belongs to this (open) graph."""
-        if x.graph is not self:
-            if x.graph.closed:
+        # A tensor among forward's or backward's expressions is caught by its missing
+        # attribute, not by an isinstance check each call (a parser's step reads dozens).
+        try:
+            graph = x.graph
+        except AttributeError:
+            raise TypeError(f"{type(x).__name__} is not a flybatch expression; make a tensor "
+                            "one with fb.parameter(t) or fb.input(t)") from None
+        if graph is not self:
+            if graph.closed:
                 raise GraphError(f"{x!r} belongs to a closed graph; expressions cannot outlive "
                                  "their graph (create them in the current graph)")
             raise GraphError(f"{x!r} belongs to another graph; one op cannot mix two graphs")

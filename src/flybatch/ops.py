@@ -526,7 +526,13 @@ pick = _core.Rule(PICK, doc="pick(x, i): element (or row) `i` of `x`: `x[i]` alo
 
 
 def _pick_nls_of_list(x: Sequence[Operand], label: int) -> Expression:
-    return sub(logsumexp(x), x[_integer("pick_neg_log_softmax", label)])
+    label = _integer("pick_neg_log_softmax", label)
+    # Checked before any node is added, and named: Python's own error for the list would be a
+    # bare "list index out of range" from inside flybatch.
+    if not -len(x) <= label < len(x):
+        raise IndexError(f"pick_neg_log_softmax: index {label} out of range for a list of "
+                         f"{len(x)} scores")
+    return sub(logsumexp(x), x[label])
 
 
 # A C rule (a loss per tree node is a call per node), whose list case is the function above.
