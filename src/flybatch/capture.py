@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _core, kernels, ops, packed_rnn
 from .errors import ShapeError
-from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, ParameterView,
-                    _current, _no_capture, current_graph, live_graphs)
+from .graph import (_INDEX_DTYPES, INDEX_INPUT, PARAMETER, Expression, Graph, Op, _current,
+                    _no_capture, current_graph, live_graphs)
 
 Template = Any  # the call's arguments with each tensor operand replaced by a `_Slot`
 
@@ -1029,9 +1029,8 @@ def _parameter_written(target: Any) -> torch.Tensor | None:
         g, node = target.graph, target.id
         op = None if g.closed else g.op_of(node)
         if op is PARAMETER:
-            view = g.attr_of(node)
             with _no_capture():
-                return view() if isinstance(view, ParameterView) else view
+                return g.parameter_value(node)
         if op is ops.LOOKUP:  # a row indexed out of a table (`W[0]`), not an F.embedding
             table = g.attr_of(node)[0]
             with _no_capture():
@@ -1768,29 +1767,16 @@ def _detached(batch):
     return batch[0].detach()
 
 
-def _like(func: Callable):
-    """zeros_like, ones_like, rand_like...: a plain tensor of the expression's (or the
-    parameter's) shape, as eagerly: the values of what it is made like are not needed."""
+def _made_from(func: Callable, shaped: bool):
+    """A plain tensor made from an expression (or a parameter) whose values it does not need,
+    as eagerly: zeros_like, ones_like, rand_like... (`shaped`: of its shape) and x.new_zeros(),
+    x.new_tensor()... (of its dtype and device). The call runs on a stand-in of that shape,
+    dtype and device."""
     def handler(x, *args, **kwargs):
         if isinstance(x, Expression):
             g = x.graph
-            stand_in = torch.empty(x.shape, dtype=g.dtype_of(x.id), device=g.device or "cpu")
-        elif isinstance(x, torch.Tensor):
-            stand_in = x
-        else:
-            return NotImplemented
-        with torch._C.DisableTorchFunction():
-            return func(stand_in, *args, **kwargs)
-    return handler
-
-
-def _new(func: Callable):
-    """x.new_zeros(...), x.new_tensor(...): a plain tensor of x's dtype and device (x an
-    expression or a parameter)."""
-    def handler(x, *args, **kwargs):
-        if isinstance(x, Expression):
-            g = x.graph
-            stand_in = torch.empty(0, dtype=g.dtype_of(x.id), device=g.device or "cpu")
+            stand_in = torch.empty(x.shape if shaped else 0, dtype=g.dtype_of(x.id),
+                                   device=g.device or "cpu")
         elif isinstance(x, torch.Tensor):
             stand_in = x
         else:
@@ -2344,9 +2330,9 @@ for _func in (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_
 _register((T.detach, torch.detach), _detach)
 for _func in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like, torch.randint_like):
-    _register((_func,), _like(_func))
+    _register((_func,), _made_from(_func, shaped=True))
 for _func in (T.new, T.new_zeros, T.new_ones, T.new_empty, T.new_full, T.new_tensor):
-    _register((_func,), _new(_func))
+    _register((_func,), _made_from(_func, shaped=False))
 for _func, _n in ((F.nll_loss, 2), (F.cross_entropy, 2), (F.mse_loss, 2), (F.l1_loss, 2),
                   (F.binary_cross_entropy, 2), (F.binary_cross_entropy_with_logits, 2),
                   (F.smooth_l1_loss, 2), (F.huber_loss, 2)):
@@ -2587,10 +2573,10 @@ def _install() -> None:
 _install()
 
 
-def _differentiated(func: Callable, outputs: Any) -> tuple[Graph, list] | None:
+def _graph_and_expressions(func: Callable, outputs: Any) -> tuple[Graph, list] | None:
     """The graph and the expressions of `outputs` (torch.autograd's one tensor or sequence),
     or None where they are plain tensors (an eager call, which runs as it is)."""
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    outputs = _as_list(outputs)
     exprs = [x for x in outputs if isinstance(x, Expression)]
     if not exprs:
         return None
@@ -2606,7 +2592,7 @@ def _autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create
                    materialize_grads=False):
     """torch.autograd.grad of expressions (a loss) with respect to tensors (parameters, input
     tensors): computed over the batched forward, as plain tensors (Graph.grad)."""
-    found = _differentiated(torch.autograd.grad, outputs)
+    found = _graph_and_expressions(torch.autograd.grad, outputs)
     options = dict(allow_unused=allow_unused, is_grads_batched=is_grads_batched,
                    materialize_grads=materialize_grads)
     if found is None:
@@ -2614,27 +2600,24 @@ def _autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create
             return torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph,
                                        create_graph, only_inputs, **options)
     g, exprs = found
-    one = not isinstance(inputs, (list, tuple))
-    grads = g.grad(exprs, [inputs] if one else list(inputs),
-                   None if grad_outputs is None else _as_list(grad_outputs),
-                   retain_graph=retain_graph, create_graph=create_graph, **options)
-    return grads
+    return g.grad(exprs, _as_list(inputs),
+                  None if grad_outputs is None else _as_list(grad_outputs),
+                  retain_graph=retain_graph, create_graph=create_graph, **options)
 
 
 def _autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
                        grad_variables=None, inputs=None):
     """torch.autograd.backward of expressions: Graph.backward (into the leaves' .grad)."""
-    found = _differentiated(torch.autograd.backward, tensors)
+    found = _graph_and_expressions(torch.autograd.backward, tensors)
     if found is None:
         with torch._C.DisableTorchFunction():
             return torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph,
                                            grad_variables, inputs)
     g, exprs = found
     gradients = grad_tensors if grad_tensors is not None else grad_variables
-    if inputs is not None and not isinstance(inputs, (list, tuple)):
-        inputs = [inputs]
     g.backward(exprs, None if gradients is None else _as_list(gradients),
-               retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+               retain_graph=retain_graph, create_graph=create_graph,
+               inputs=None if inputs is None else _as_list(inputs))
     return None
 
 
