@@ -2408,19 +2408,14 @@ def _requires_grad(self) -> bool:
 
 
 def _eq(self, other):
-    # Between two expressions `==` stays identity (expressions are dict keys and `in` list
-    # members in graph-building code); against a tensor or a number it is torch's elementwise
-    # comparison, as per-instance torch code means it. So is `x == x`, the NaN test of
-    # torch.distributions' argument checks: Python's containers never ask it (they compare by
-    # identity first), so only code that means the mask does.
-    if isinstance(other, Expression) and other is not self:
-        return False
+    # torch's elementwise comparison whatever the other operand, another expression too, as
+    # per-instance torch code means it (`(pred == gold).sum()`). The hash stays identity
+    # (`__hash__ = object.__hash__`, as torch.Tensor's), so expressions stay dict keys and set
+    # members; like tensors, they are not found by `in` / `index` of a list by value.
     return torch_call(T.__eq__, (self, other), {})
 
 
 def _ne(self, other):
-    if isinstance(other, Expression) and other is not self:
-        return True
     return torch_call(T.__ne__, (self, other), {})
 
 

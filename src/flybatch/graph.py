@@ -200,8 +200,8 @@ class Expression(_core.Expression):
             return bool(value)
 
     # Comparisons of a scalar ask for the value (so control flow can depend on it); capture.py
-    # makes those of a larger expression elementwise masks, and `==` / `!=` elementwise against
-    # a tensor or number (identity between two expressions: they are dict keys, `in` members).
+    # makes those of a larger expression elementwise masks, and `==` / `!=` elementwise (the
+    # hash stays identity, as a tensor's: expressions are dict keys and set members).
     def __lt__(self, other: Any) -> bool:
         a, b = self._peek(), _plain(other)
         with _no_capture():
