@@ -221,7 +221,7 @@ def _register_buffer_of(module: torch.nn.Module, name: str, tensor: Any,
         with torch._C.DisableTorchFunction():
             placeholder = torch.empty(tensor.shape, dtype=tensor.dtype,
                                       device=g.device or torch.device("cpu"))
-        g.shadows[id(placeholder)] = (placeholder, tensor)
+        g.shadow(placeholder, tensor)
         tensor = placeholder
     return _register_buffer(module, name, tensor, persistent)
 
@@ -694,7 +694,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
         var = torch_call(T.var, (input, dims), {})  # unbiased, as torch's running variance
         for buffer, batch_value in ((running_mean, mean), (running_var, var)):
             new = _current_value(g, buffer) * (1 - momentum) + batch_value * momentum
-            g.shadows[id(buffer)] = (buffer, new)
+            g.shadow(buffer, new)
     return out
 
 
@@ -1017,7 +1017,7 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
             raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
         new = torch_call(out_of_place, (current,) + tuple(args[1:]), kwargs)
         new = _as_written_into(func, target, new)
-    g.shadows[id(target)] = (target, new)
+    g.shadow(target, new)
     return target
 
 
