@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flybatch as fb
 from flybatch.graph import STRATEGIES
@@ -307,7 +308,7 @@ def test_nodes_recorded_before_a_parameter_is_written_keep_its_value_at_their_ca
 
 # A write with expressions into another tensor object of a frozen table's storage (`.data`,
 # `.detach()`) is in the storage, as eagerly, when the table itself is read: by an eager torch
-# call (no expression among its arguments), as an input or as a lookup's table.
+# call (no expression among its arguments), as an input or as an embedding's table.
 ALIAS_WRITES = {
     "E.weight.data[1] = h": lambda E, h: E.weight.data.__setitem__(1, h),
     "E.weight.detach()[1] = h": lambda E, h: E.weight.detach().__setitem__(1, h),
@@ -319,7 +320,8 @@ TABLE_READS = {
     "eager E(ids)": lambda E, h: E(torch.tensor([1, 2, 4])).sum(0) + E.memory,
     "eager E.weight.sum(0)": lambda E, h: E.weight.sum(0) + E.memory * 1.0,
     "input E.weight @ h": lambda E, h: E.weight.T @ (E.weight @ h) + E.memory.tanh() * h,
-    "fb.lookup(E.weight, 1)": lambda E, h: fb.lookup(E.weight, 1) + fb.lookup(E.memory[None], 0),
+    "table F.embedding(ids)": lambda E, h: F.embedding((h > 9).long() + 1, E.weight).sum(0)
+    + F.embedding((h > 9).long(), E.memory[None]).sum(0),  # ids computed per instance
 }
 
 
@@ -354,6 +356,15 @@ def test_a_frozen_table_written_through_an_alias_is_read_with_the_write(strategy
     assert got == pytest.approx(want, abs=1e-12, rel=0)
     torch.testing.assert_close(p.grad, grad, rtol=0, atol=1e-12)
     torch.testing.assert_close([E.weight.detach(), E.memory], tables, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_lookup_of_a_frozen_table_written_through_an_alias_reads_the_write(strategy):
+    E, p = _frozen_table(), torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+    with fb.Graph(strategy):
+        E.weight.detach()[1] = torch.tanh(p * 2)
+        row = fb.lookup(E.weight, 1)  # the table is read when the forward runs
+        torch.testing.assert_close(row.value().detach(), torch.tanh(p.detach() * 2))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
