@@ -31,10 +31,15 @@ def test_a_comparison_of_a_vector_is_an_elementwise_mask_usable_in_torch_where()
     torch.testing.assert_close(W.grad, grad)
 
 
-def test_a_comparison_of_two_scalars_is_a_python_bool():
-    with fb.Graph():
+def test_a_comparison_of_two_scalars_asks_for_the_value_as_a_torch_bool():
+    with fb.Graph() as g:
         score = fb.sum_elems(fb.input([1.0, 2.0]))
-        assert (score > 2.5) is True and (score <= 2.5) is False
+        above, below = score > 2.5, score <= 2.5
+        assert g.n_done == g.n_nodes  # computed at the comparison (a value request)
+        assert type(above) is torch.Tensor and above.dtype == torch.bool and above.shape == ()
+        assert above and not below
+        assert bool(~above) is False and (~below).item() is True  # not Python's ~True == -2
+        assert above.float().item() == 1.0
 
 
 # ---- `==` and `!=` between two expressions: torch's elementwise comparison -------------------
@@ -102,3 +107,21 @@ def test_bool_of_a_comparison_of_two_vectors_raises_as_torch_does():
             bool(a == b)
         assert (a == b).value().tolist() == [True, False]
         assert (a != b).value().tolist() == [False, True]
+
+
+def scalar_comparison_loss(model, x):
+    """Comparisons of two 0-d expressions used as torch code uses 0-d masks."""
+    a, b = model.a(x).sum(), model.b(x).sum()
+    keep = ~(a > b)  # eagerly a 0-d bool tensor: logical not
+    picked = torch.where(a <= b, a, b)
+    return keep * a + (a >= b).float() * b + picked + max(a, b) + sorted([a, b])[0]
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["graph", "map_batched"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_comparisons_of_two_scalars_are_torch_bools_in_arithmetic_and_where(strategy, mapped):
+    model = seeded(TwoReaders())
+    xs = draw(5, *[(3,)] * 12)
+    above = sum(int(model.a(x).sum() > model.b(x).sum()) for x in xs)
+    assert 0 < above < len(xs)
+    check(model, lambda x: scalar_comparison_loss(model, x), xs, strategy, mapped)

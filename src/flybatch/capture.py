@@ -2501,7 +2501,8 @@ _OWN = {
 _OWN.update({name: (lambda func, name: lambda self, other: _write_into_expression(
     func, name, self, other))(getattr(T, name), name) for name in _OUT_OF_PLACE})
 # Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
-# (a Python int, as always), the operators the C type implements, comparisons that return bool.
+# (a Python int, as always), the operators the C type implements, comparisons that ask for the
+# value.
 _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",
          "__gt__", "__ge__", "__bool__", "__float__", "__int__", "__repr__", "__iter__",
          "__array_ufunc__", "__torch_function__", "__getitem__", "__add__", "__radd__",
@@ -2530,9 +2531,9 @@ def _argmax(self, dim=None, keepdim=False):
 
 
 def _comparison(func: Callable, peek: Callable) -> Callable:
-    """`<` `<=` `>` `>=`: a scalar compared with a scalar asks for the value (a Python bool, so
-    `if score > best:` branches on it, as flybatch always did); anything larger is torch's
-    elementwise mask, recorded (bool() of it would be ambiguous anyway)."""
+    """`<` `<=` `>` `>=`: a scalar compared with a scalar asks for the value (torch's 0-d bool
+    tensor of it, so `if score > best:` branches on it, as flybatch always did); anything
+    larger is torch's elementwise mask, recorded (bool() of it would be ambiguous anyway)."""
     def compare(self, other):
         other_shape = other.shape if isinstance(other, (Expression, torch.Tensor, np.ndarray)) \
             else ()

@@ -199,28 +199,30 @@ class Expression(_core.Expression):
         with _no_capture():
             return bool(value)
 
-    # Comparisons of a scalar ask for the value (so control flow can depend on it); capture.py
-    # makes those of a larger expression elementwise masks, and `==` / `!=` elementwise (the
-    # hash stays identity, as a tensor's: expressions are dict keys and set members).
-    def __lt__(self, other: Any) -> bool:
+    # Comparisons of a scalar ask for the value (so control flow can depend on it) and give
+    # torch's 0-d bool tensor of it (`~(s > t)`, `(s > t).float()`, `torch.where(s > t, ...)`
+    # as eagerly; a Python bool would make `~` -1 or -2); capture.py makes those of a larger
+    # expression elementwise masks, and `==` / `!=` elementwise (the hash stays identity, as
+    # a tensor's: expressions are dict keys and set members).
+    def __lt__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a < b)
+            return a < b
 
-    def __le__(self, other: Any) -> bool:
+    def __le__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a <= b)
+            return a <= b
 
-    def __gt__(self, other: Any) -> bool:
+    def __gt__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a > b)
+            return a > b
 
-    def __ge__(self, other: Any) -> bool:
+    def __ge__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a >= b)
+            return a >= b
 
     __hash__ = object.__hash__
 
