@@ -550,20 +550,26 @@ struct Scan {
         if (stale < 0) throw PythonError{};
         if (stale) return true;
       }
-      // Another tensor object of a storage the graph wrote into (`E.weight` after
-      // `E.weight.data[1] = h`): the write reaches the storage first (Graph.write_through),
-      // and the call reads it as eagerly.
-      Owned storage{checked(PyObject_CallMethodNoArgs(x, s_untyped_storage))};
-      Owned pointer{checked(PyObject_CallMethodNoArgs(storage.get(), s_data_ptr))};
-      if (contains(storages, pointer.get()))
-        Owned done{checked(PyObject_CallMethodOneArg(graph, s_write_through, x))};
     }
     // A parameter (a leaf that requires grad): recorded, so its uses batch. A computed tensor
     // with grad (a value the graph returned, an eager result) runs eagerly, which is exactly
     // right, and a peek like `value.detach()` stays a tensor.
-    if (!params || inplace || shadows_only) return false;
-    if (!truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get())) return false;
-    return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
+    if (params && !inplace && !shadows_only &&
+        truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get()) &&
+        truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get()))
+      return true;
+    if (shadows) write_through(x);
+    return false;
+  }
+
+  // x runs as it is: another tensor object of a storage the graph wrote into (`E.weight`
+  // after `E.weight.data[1] = h`) first gets the write (Graph.write_through), so the call
+  // reads it as eagerly. (A parameter recorded gets it when its node is made.)
+  void write_through(PyObject* x) {
+    Owned storage{checked(PyObject_CallMethodNoArgs(x, s_untyped_storage))};
+    Owned pointer{checked(PyObject_CallMethodNoArgs(storage.get(), s_data_ptr))};
+    if (contains(storages, pointer.get()))
+      Owned done{checked(PyObject_CallMethodOneArg(graph, s_write_through, x))};
   }
 
   // An argument: a tensor, or a list / tuple holding tensors. Expressions in it, which torch
