@@ -51,6 +51,10 @@ PyObject* s_float = nullptr;            // "float"
 PyObject* s_bool = nullptr;             // "bool"
 PyObject* s_requires_grad = nullptr;    // "requires_grad"
 PyObject* s_is_leaf = nullptr;          // "is_leaf"
+PyObject* s_shadow_storages = nullptr;  // "shadow_storages"
+PyObject* s_untyped_storage = nullptr;  // "untyped_storage"
+PyObject* s_data_ptr = nullptr;         // "data_ptr"
+PyObject* s_write_through = nullptr;    // "write_through"
 PyObject* s_dunder = nullptr;           // "__"
 PyObject* g_index_input_op = nullptr;   // graph.INDEX_INPUT
 PyObject* g_index_dtypes = nullptr;     // graph._INDEX_DTYPES (a frozenset)
@@ -495,9 +499,15 @@ struct Scan {
   bool shadows_only = false;    // only a shadowed tensor makes the call recorded
   bool ready = false;
   PyObject* shadows = nullptr;  // owned: the current open graph's non-empty dict, or NULL
+  PyObject* graph = nullptr;    // owned with shadows: that graph
+  PyObject* storages = nullptr; // owned with shadows: its set of the shadowed storages
   bool params = false;          // parameters are recorded (no optimizer step runs)
 
-  ~Scan() { Py_XDECREF(shadows); }
+  ~Scan() {
+    Py_XDECREF(shadows);
+    Py_XDECREF(graph);
+    Py_XDECREF(storages);
+  }
 
   void prepare() {
     ready = true;
@@ -510,7 +520,13 @@ struct Scan {
                               : truth(Owned{PyObject_GetAttr(graph, s_closed)}.get());
       if (!closed) {
         Owned s{PyObject_GetAttr(graph, s_shadows)};
-        if (truth(s.get())) shadows = s.release();
+        if (truth(s.get())) {
+          Owned set{PyObject_GetAttr(graph, s_shadow_storages)};
+          if (!PySet_Check(set.get())) raise(PyExc_TypeError, "graph.shadow_storages must be a set");
+          shadows = s.release();
+          storages = set.release();
+          this->graph = Py_NewRef(graph);
+        }
       }
     }
     Owned step{attr_or(g_thread, s_optimizer_step, Py_False)};
@@ -538,9 +554,22 @@ struct Scan {
     // A parameter (a leaf that requires grad): recorded, so its uses batch. A computed tensor
     // with grad (a value the graph returned, an eager result) runs eagerly, which is exactly
     // right, and a peek like `value.detach()` stays a tensor.
-    if (!params || inplace || shadows_only) return false;
-    if (!truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get())) return false;
-    return truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get());
+    if (params && !inplace && !shadows_only &&
+        truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get()) &&
+        truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get()))
+      return true;
+    if (shadows) write_through(x);
+    return false;
+  }
+
+  // x runs as it is: another tensor object of a storage the graph wrote into (`E.weight`
+  // after `E.weight.data[1] = h`) first gets the write (Graph.write_through), so the call
+  // reads it as eagerly. (A parameter recorded gets it when its node is made.)
+  void write_through(PyObject* x) {
+    Owned storage{checked(PyObject_CallMethodNoArgs(x, s_untyped_storage))};
+    Owned pointer{checked(PyObject_CallMethodNoArgs(storage.get(), s_data_ptr))};
+    if (contains(storages, pointer.get()))
+      Owned done{checked(PyObject_CallMethodOneArg(graph, s_write_through, x))};
   }
 
   // An argument: a tensor, or a list / tuple holding tensors. Expressions in it, which torch
@@ -938,6 +967,10 @@ bool register_capture(PyObject* module) {
   s_base = PyUnicode_InternFromString("_base");
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_is_leaf = PyUnicode_InternFromString("is_leaf");
+  s_shadow_storages = PyUnicode_InternFromString("shadow_storages");
+  s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+  s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  s_write_through = PyUnicode_InternFromString("write_through");
   s_dunder = PyUnicode_InternFromString("__");
   s_is_cpu = PyUnicode_InternFromString("is_cpu");
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
@@ -950,7 +983,8 @@ bool register_capture(PyObject* module) {
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
   return s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
-         s_requires_grad && s_is_leaf && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
+         s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&
+         s_write_through && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;

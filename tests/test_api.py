@@ -173,11 +173,13 @@ def test_value_conversions():
         assert s > 2 and s < 3 and s >= 2.5 and s <= 2.5
 
 
-def test_equality_is_identity_so_expressions_are_dict_keys():
-    with fb.Graph():
-        x, y = fb.input([1.0]), fb.input([1.0])
-        assert x == x and x != y
-        assert {x: 1, y: 2}[y] == 2
+def test_expressions_hash_by_identity_so_they_are_dict_keys_and_eq_compares_values():
+    with fb.Graph(dtype=F64):
+        x, y, z = fb.input([1.0]), fb.input([1.0]), fb.input([2.0])
+        assert {x: 1, y: 2}[y] == 2 and len({x, y, x}) == 2  # hash and lookup: identity
+        assert bool(x == y) and not bool(x != y) and bool(x != z)  # values, as torch's ==
+        assert (x == z).dtype == torch.bool and (x == z).value().tolist() == [False]
+        assert y in [x] and z not in [x, y]  # a list's `in` compares values, as with tensors
 
 
 def test_shape_and_op_are_known_before_any_forward():

@@ -197,7 +197,7 @@ def named(**params: torch.nn.Parameter) -> torch.nn.Module:
 def check_parameter_lists(rank: int) -> dict:
     """The ranks reduce different parameter lists: what `all_reduce_gradients` raised on this
     rank, and whether it left the gradients alone. Then one matching model, three steps: its
-    summed gradients and how many cross-rank parameter checks that took."""
+    summed gradients and how many all-gathers of the lists that took."""
     def zeros(*shape, dtype=torch.float32):
         return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype))
 
@@ -208,9 +208,7 @@ def check_parameter_lists(rank: int) -> dict:
         "dtype": ([zeros(2)], [zeros(2, dtype=torch.float64)]),
         "count": ([a, b], [a, b, c]),
     }
-    out = {}
-    for case, lists in mismatches.items():
-        params = lists[rank]
+    def reduce(params) -> dict:
         tensors = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
         for p in tensors:
             p.grad = torch.full_like(p, rank + 1.0)
@@ -220,7 +218,15 @@ def check_parameter_lists(rank: int) -> dict:
         except fbd.ParameterMismatchError as exc:
             error = str(exc)
         untouched = all(torch.equal(p.grad, torch.full_like(p, rank + 1.0)) for p in tensors)
-        out[case] = {"error": error, "untouched": untouched}
+        return {"error": error, "untouched": untouched}
+
+    out = {case: reduce(lists[rank]) for case, lists in mismatches.items()}
+    # The same module on both ranks, reduced once; then rank 1 alone resizes a parameter of it
+    resized = named(a=zeros(2), b=zeros(3))
+    reduce(resized)
+    if rank == 1:
+        resized.a.data = torch.zeros(4)
+    out["resized"] = reduce(resized)
     gathers = []
     real = torch.distributed.all_gather_object
     torch.distributed.all_gather_object = lambda *a, **k: (gathers.append(1), real(*a, **k))[1]
@@ -400,8 +406,9 @@ def test_a_rank_raising_outside_the_step_stops_every_rank_at_once(pairs):
 
 
 def test_ranks_passing_different_parameters_all_raise_the_same_clear_error(pairs):
-    # Swapped order, swapped names, another dtype, one parameter more: every rank raises the
-    # same error naming the difference, before any gradient moves (no mixed sums, no abort of
+    # Swapped order, swapped names, another dtype, one parameter more, and a parameter resized
+    # on one rank after the list was first reduced: every rank raises the same error naming
+    # the difference, before any gradient moves (no mixed sums, no abort of
     # gloo, no wait for the timeout); the process group stays usable.
     pair = pairs["train"]
     files = [pair.outdir / f"checks{r}.json" for r in range(2)]
@@ -414,14 +421,17 @@ def test_ranks_passing_different_parameters_all_raise_the_same_clear_error(pairs
         "names": "rank 1: parameter 0 is 'b' (2,) float32 cpu, rank 0 has 'a' (2,) float32 cpu",
         "dtype": "rank 1: parameter 0 is (2,) float64 cpu, rank 0 has (2,) float32 cpu",
         "count": "rank 1: parameter 2 is (4,) float32 cpu, rank 0 has only 2 parameters",
+        "resized": "rank 1: parameter 0 is 'a' (4,) float32 cpu, rank 0 has 'a' (2,) float32 "
+                   "cpu",
     }
     for case, difference in differences.items():
         assert rank0[case]["untouched"], case
         assert rank0[case]["error"] == (
             f"the ranks reduce different parameters: {difference}; every rank must pass the "
             "same parameters in the same order"), case
-    # a matching model is checked once, on its first step; its gradients are summed
-    assert rank0["checks"] == 1 and rank0["sums"] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
+    # a matching model's lists are never gathered (their fingerprints agree at every step);
+    # its gradients are summed
+    assert rank0["checks"] == 0 and rank0["sums"] == [[3.0, 3.0], [3.0, 3.0, 3.0]]
 
 
 def test_a_hanging_rank_is_caught_by_the_collective_timeout(pairs):

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flybatch as fb
 from flybatch.graph import STRATEGIES
@@ -303,6 +304,89 @@ def test_nodes_recorded_before_a_parameter_is_written_keep_its_value_at_their_ca
     with torch.no_grad():
         expected_after = torch.tanh(W @ x) + E[1] * (W @ x).sum()
     torch.testing.assert_close(values, [expected_before, expected_after], rtol=0, atol=1e-12)
+
+
+# A write with expressions into another tensor object of a frozen table's storage (`.data`,
+# `.detach()`) is in the storage, as eagerly, when the table itself is read: by an eager torch
+# call (no expression among its arguments), as an input or as an embedding's table.
+ALIAS_WRITES = {
+    "E.weight.data[1] = h": lambda E, h: E.weight.data.__setitem__(1, h),
+    "E.weight.detach()[1] = h": lambda E, h: E.weight.detach().__setitem__(1, h),
+    "E.weight.data.copy_(rows)": lambda E, h: E.weight.data.copy_(
+        torch.stack([h, 2 * h, -h, h + 1, h * h])),
+    "buffer.detach().add_(h)": lambda E, h: E.memory.detach().add_(h),
+}
+TABLE_READS = {
+    "eager E(ids)": lambda E, h: E(torch.tensor([1, 2, 4])).sum(0) + E.memory,
+    "eager E.weight.sum(0)": lambda E, h: E.weight.sum(0) + E.memory * 1.0,
+    "input E.weight @ h": lambda E, h: E.weight.T @ (E.weight @ h) + E.memory.tanh() * h,
+    "table F.embedding(ids)": lambda E, h: F.embedding((h > 9).long() + 1, E.weight).sum(0)
+    + F.embedding((h > 9).long(), E.memory[None]).sum(0),  # ids computed per instance
+}
+
+
+def _frozen_table() -> torch.nn.Embedding:
+    torch.manual_seed(0)
+    E = torch.nn.Embedding(5, 3).double().requires_grad_(False)
+    E.register_buffer("memory", torch.randn(3, dtype=F64))
+    return E
+
+
+@pytest.mark.parametrize("read", TABLE_READS)
+@pytest.mark.parametrize("write", ALIAS_WRITES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_frozen_table_written_through_an_alias_is_read_with_the_write(strategy, write, read):
+    p = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+
+    def step(E):
+        h = torch.tanh(p * 2)
+        ALIAS_WRITES[write](E, h)
+        return ((TABLE_READS[read](E, h) * p).sum() + h.sum(),
+                E.weight.detach().clone(), E.memory.detach().clone())
+
+    E = _frozen_table()
+    loss, *tables = step(E)
+    loss.backward()
+    want, grad, p.grad = loss.item(), p.grad, None
+    E = _frozen_table()
+    with fb.Graph(strategy):
+        loss, *_ = step(E)
+        loss.backward()
+        got = loss.item()
+    assert got == pytest.approx(want, abs=1e-12, rel=0)
+    torch.testing.assert_close(p.grad, grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close([E.weight.detach(), E.memory], tables, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_lookup_of_a_frozen_table_written_through_an_alias_reads_the_write(strategy):
+    E, p = _frozen_table(), torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+    with fb.Graph(strategy):
+        E.weight.detach()[1] = torch.tanh(p * 2)
+        row = fb.lookup(E.weight, 1)  # the table is read when the forward runs
+        torch.testing.assert_close(row.value().detach(), torch.tanh(p.detach() * 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_instance_tables_written_through_an_alias_under_map_batched(strategy):
+    p = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=F64))
+    xs = [torch.randn(3, dtype=F64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    base = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(9))
+
+    def loss_of(x):
+        table = base.clone()
+        table.data[int(x.abs().argmax())] = torch.tanh(p * x)  # a row per instance
+        return (table[torch.tensor([0, 1, 2])].sum(0) * p).sum()
+
+    want = sum(loss_of(x) for x in xs)
+    want.backward()
+    grad, p.grad = p.grad, None
+    with fb.Graph(strategy):
+        losses = fb.map_batched(loss_of, xs)
+        total = torch.stack(losses).sum()
+        total.backward()
+        assert total.item() == pytest.approx(want.item(), abs=1e-12, rel=0)
+    torch.testing.assert_close(p.grad, grad, rtol=0, atol=1e-12)
 
 
 # ---- errors only a kernel can see (item 19) ----------------------------------------------------------

@@ -221,7 +221,7 @@ def _register_buffer_of(module: torch.nn.Module, name: str, tensor: Any,
         with torch._C.DisableTorchFunction():
             placeholder = torch.empty(tensor.shape, dtype=tensor.dtype,
                                       device=g.device or torch.device("cpu"))
-        g.shadows[id(placeholder)] = (placeholder, tensor)
+        g.shadow(placeholder, tensor)
         tensor = placeholder
     return _register_buffer(module, name, tensor, persistent)
 
@@ -694,7 +694,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
         var = torch_call(T.var, (input, dims), {})  # unbiased, as torch's running variance
         for buffer, batch_value in ((running_mean, mean), (running_var, var)):
             new = _current_value(g, buffer) * (1 - momentum) + batch_value * momentum
-            g.shadows[id(buffer)] = (buffer, new)
+            g.shadow(buffer, new)
     return out
 
 
@@ -1017,7 +1017,7 @@ def _inplace(func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
             raise TypeError(f"{_name(func)} on a flybatch expression: no out-of-place form")
         new = torch_call(out_of_place, (current,) + tuple(args[1:]), kwargs)
         new = _as_written_into(func, target, new)
-    g.shadows[id(target)] = (target, new)
+    g.shadow(target, new)
     return target
 
 
@@ -2408,19 +2408,14 @@ def _requires_grad(self) -> bool:
 
 
 def _eq(self, other):
-    # Between two expressions `==` stays identity (expressions are dict keys and `in` list
-    # members in graph-building code); against a tensor or a number it is torch's elementwise
-    # comparison, as per-instance torch code means it. So is `x == x`, the NaN test of
-    # torch.distributions' argument checks: Python's containers never ask it (they compare by
-    # identity first), so only code that means the mask does.
-    if isinstance(other, Expression) and other is not self:
-        return False
+    # torch's elementwise comparison whatever the other operand, another expression too, as
+    # per-instance torch code means it (`(pred == gold).sum()`). The hash stays identity
+    # (`__hash__ = object.__hash__`, as torch.Tensor's), so expressions stay dict keys and set
+    # members; like tensors, they are not found by `in` / `index` of a list by value.
     return torch_call(T.__eq__, (self, other), {})
 
 
 def _ne(self, other):
-    if isinstance(other, Expression) and other is not self:
-        return True
     return torch_call(T.__ne__, (self, other), {})
 
 
@@ -2506,7 +2501,8 @@ _OWN = {
 _OWN.update({name: (lambda func, name: lambda self, other: _write_into_expression(
     func, name, self, other))(getattr(T, name), name) for name in _OUT_OF_PLACE})
 # Kept as flybatch defines them: value(), item(), numpy(), backward(), argmax() with no argument
-# (a Python int, as always), the operators the C type implements, comparisons that return bool.
+# (a Python int, as always), the operators the C type implements, comparisons that ask for the
+# value.
 _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__lt__", "__le__",
          "__gt__", "__ge__", "__bool__", "__float__", "__int__", "__repr__", "__iter__",
          "__array_ufunc__", "__torch_function__", "__getitem__", "__add__", "__radd__",
@@ -2535,9 +2531,9 @@ def _argmax(self, dim=None, keepdim=False):
 
 
 def _comparison(func: Callable, peek: Callable) -> Callable:
-    """`<` `<=` `>` `>=`: a scalar compared with a scalar asks for the value (a Python bool, so
-    `if score > best:` branches on it, as flybatch always did); anything larger is torch's
-    elementwise mask, recorded (bool() of it would be ambiguous anyway)."""
+    """`<` `<=` `>` `>=`: a scalar compared with a scalar asks for the value (torch's 0-d bool
+    tensor of it, so `if score > best:` branches on it, as flybatch always did); anything
+    larger is torch's elementwise mask, recorded (bool() of it would be ambiguous anyway)."""
     def compare(self, other):
         other_shape = other.shape if isinstance(other, (Expression, torch.Tensor, np.ndarray)) \
             else ()

@@ -42,7 +42,7 @@ rather than at the timeout. A rank that dies or hangs is caught by the backstop:
 collective is bounded by the process-group `timeout` given to `init`, and a collective error
 is re-raised as a `RankFailedError` that says so. Ranks that reduce different parameter lists
 (a model built differently on one rank) all raise `ParameterMismatchError` naming the
-difference, found by comparing the lists once, the first time each is reduced. Without a
+difference, found at every reduce by comparing fingerprints of the lists (one tiny all-reduce). Without a
 process group (plain `python script.py`, or a world of one) every function here is a cheap
 local no-op, so the same script runs single-process unchanged.
 """
@@ -51,10 +51,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import heapq
 import os
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
@@ -190,7 +190,6 @@ def shutdown() -> None:
     """
     global _ctx
     ctx, _ctx = _ctx, None
-    _checked.clear()  # a later group may hold other ranks, with other parameters
     if ctx is None or not ctx.owns_group or not dist.is_initialized():
         return
     error = sys.exc_info()[1]
@@ -427,11 +426,6 @@ def _params(params: Iterable[torch.Tensor] | torch.nn.Module
     return out
 
 
-# Parameter lists that matched on every rank, by the identities of their tensors; the weak
-# references tell a list apart from a later one whose new tensors reuse the same ids.
-_checked: dict[tuple[int, ...], tuple[weakref.ref, ...]] = {}
-
-
 def _describe(p: torch.Tensor) -> str:
     """What must agree across ranks for the gradient sums to line up: "(2, 3) float32 cpu"."""
     layout = "" if p.layout == torch.strided else " " + str(p.layout).removeprefix("torch.")
@@ -458,18 +452,34 @@ def _difference(rank: int, theirs: list, ours: list) -> str | None:
     return None
 
 
+def _fingerprint(named: list[tuple[str | None, torch.Tensor]]) -> int:
+    """A 62-bit digest of what the ranks must agree on (names, shapes, dtypes, devices,
+    layouts), the same in every process (unlike Python's salted `hash`)."""
+    facts = repr([(name, tuple(p.shape), p.dtype, p.device.type, p.layout) for name, p in named])
+    return int.from_bytes(hashlib.blake2b(facts.encode(), digest_size=8).digest(), "little") >> 2
+
+
 def _check_same_parameters(named: list[tuple[str | None, torch.Tensor]]) -> None:
     """Raise `ParameterMismatchError` on every rank unless all ranks pass the same list: count,
     names (where known), shapes, dtypes, device types and layouts. A mismatch would otherwise
     sum unrelated gradients, abort gloo (sizes differ) or wait for the timeout (counts differ).
-    Like DDP, checked once per list: one all-gather the first time, nothing after."""
-    key = tuple(id(p) for _, p in named)
-    refs = _checked.get(key)
-    if refs is not None and all(r() is p for r, (_, p) in zip(refs, named)):
+
+    Checked at every reduce, so that a parameter resized or cast in place on one rank after the
+    first step is caught too, and by all ranks together (a rank that alone decided to check
+    would wait in a collective its peers never join): one all-reduce of two ints, the largest
+    and the negated smallest fingerprint; only where they differ are the lists all-gathered
+    and compared (names count only where both ranks know them, so a rank that passes a Module
+    where another passes its parameters is gathered each time, and goes on)."""
+    mine = _fingerprint(named)
+    bounds = torch.tensor([mine, -mine], dtype=torch.int64, device=_comm_device())
+    _collective("the parameter check",
+                lambda: dist.all_reduce(bounds, op=dist.ReduceOp.MAX))
+    highest, negated_lowest = bounds.tolist()
+    if highest == -negated_lowest:
         return
-    mine = [(name, _describe(p)) for name, p in named]
+    described = [(name, _describe(p)) for name, p in named]
     everyone: list[Any] = [None] * context().world_size
-    _collective("the parameter check", lambda: dist.all_gather_object(everyone, mine))
+    _collective("the parameter check", lambda: dist.all_gather_object(everyone, described))
     problems = [d for r in range(1, len(everyone))
                 if (d := _difference(r, everyone[r], everyone[0])) is not None]
     if problems:
@@ -477,7 +487,6 @@ def _check_same_parameters(named: list[tuple[str | None, torch.Tensor]]) -> None
         raise ParameterMismatchError(
             f"the ranks reduce different parameters: {'; '.join(problems[:3])}{more}; every "
             "rank must pass the same parameters in the same order")
-    _checked[key] = tuple(weakref.ref(p) for _, p in named)
 
 
 def _kind(p: torch.Tensor) -> int:
@@ -492,9 +501,9 @@ def all_reduce_gradients(params: Iterable[torch.Tensor] | torch.nn.Module, *,
 
     Every rank must pass the same parameters in the same order (`model.parameters()`; pass the
     Module itself to have the names checked too).
-    0. The first time a list is reduced, every rank's list (count, names, shapes, dtypes,
-       device types) is all-gathered and compared; any difference raises
-       `ParameterMismatchError` on every rank, before a gradient moves.
+    0. The ranks compare fingerprints of their lists (count, names, shapes, dtypes, device
+       types: one all-reduce of two ints); where they differ, the lists are all-gathered and
+       any difference raises `ParameterMismatchError` on every rank, before a gradient moves.
     1. One all-reduce (MAX) of each parameter's gradient kind (none / sparse / dense) so that
        all ranks agree even when a rank has no gradient for a parameter (an empty shard, an
        embedding row set it never touched): such a rank contributes zero. A parameter with

@@ -199,28 +199,30 @@ class Expression(_core.Expression):
         with _no_capture():
             return bool(value)
 
-    # Comparisons of a scalar ask for the value (so control flow can depend on it); capture.py
-    # makes those of a larger expression elementwise masks, and `==` / `!=` elementwise against
-    # a tensor or number (identity between two expressions: they are dict keys, `in` members).
-    def __lt__(self, other: Any) -> bool:
+    # Comparisons of a scalar ask for the value (so control flow can depend on it) and give
+    # torch's 0-d bool tensor of it (`~(s > t)`, `(s > t).float()`, `torch.where(s > t, ...)`
+    # as eagerly; a Python bool would make `~` -1 or -2); capture.py makes those of a larger
+    # expression elementwise masks, and `==` / `!=` elementwise (the hash stays identity, as
+    # a tensor's: expressions are dict keys and set members).
+    def __lt__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a < b)
+            return a < b
 
-    def __le__(self, other: Any) -> bool:
+    def __le__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a <= b)
+            return a <= b
 
-    def __gt__(self, other: Any) -> bool:
+    def __gt__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a > b)
+            return a > b
 
-    def __ge__(self, other: Any) -> bool:
+    def __ge__(self, other: Any) -> torch.Tensor:
         a, b = self._peek(), _plain(other)
         with _no_capture():
-            return bool(a >= b)
+            return a >= b
 
     __hash__ = object.__hash__
 
@@ -269,6 +271,9 @@ class Graph(_core.Store):
         # Plain tensors written in place with expressions by captured torch code
         # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
         self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
+        # The storages (data pointers) of the shadowed tensors: another tensor object of one of
+        # them (`E.weight` after a write into `E.weight.data`) reads the write (write_through).
+        self.shadow_storages: set[int] = set()
         # In-place writes into expressions (`h += x` rebinds h's handle, capture.py): (old
         # node, first node of the write, its last node, function), and, worked out before the
         # next forward, the nodes that eagerly share storage with what was written (its old
@@ -363,7 +368,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(key)
         if node is None:
             self.check_tensor("parameter", tensor)
-            self._write_aliases_of(tensor)
+            self.write_through(tensor)
             node = self.n_nodes
             self.add(PARAMETER, (), tuple(tensor.shape), ("parameter", node), tensor)
             self._leaf_nodes[key] = node
@@ -391,22 +396,31 @@ class Graph(_core.Store):
         self._read_storages = None
         super().forget(tensor)
 
-    def _write_aliases_of(self, tensor: torch.Tensor) -> None:
-        """Before the graph first reads `tensor` as a parameter (its storage, when a forward
-        runs): what it wrote into another tensor object of that storage (`W.data.copy_(h)`)
-        is written into the storage now, as it was eagerly at its call. (The write stood for
-        the other object's new value only.)"""
+    def shadow(self, target: torch.Tensor, new: "Expression") -> None:
+        """Let the plain tensor `target`, written in place with expressions, stand for `new`."""
+        self.shadows[id(target)] = (target, new)
+        with _no_capture():
+            self.shadow_storages.add(target.untyped_storage().data_ptr())
+
+    def write_through(self, tensor: torch.Tensor) -> None:
+        """Before `tensor`'s storage is read (an eager torch call, an input copied, a forward
+        reading it as a parameter or table): what the graph wrote into ANOTHER tensor object
+        of that storage (`E.weight.data[1] = h`, `T.detach().copy_(h)`, which stood for that
+        object's new value only) is written into the storage now, as eagerly at its call."""
         if not self.shadows:
             return
         with _no_capture():
             storage = tensor.untyped_storage().data_ptr()
+            if not storage or storage not in self.shadow_storages:
+                return
             aliases = [key for key, (target, _) in self.shadows.items() if target is not tensor
                        and target.untyped_storage().data_ptr() == storage]
         for key in aliases:
             target, new = self.shadows.pop(key)
             value = self.value_of(self.node_of(new))
-            with _no_capture(), torch.no_grad():
-                target.copy_(value)
+            with _no_capture(), torch.set_grad_enabled(value.requires_grad and
+                                                       not target.requires_grad):
+                target.copy_(value)  # eagerly the write made `target` part of new's history
 
     def parameter_value(self, node: int) -> torch.Tensor:
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
@@ -419,7 +433,7 @@ class Graph(_core.Store):
         node = self._leaf_nodes.get(leaf_key)
         if node is None:
             self.check_tensor("parameter", tensor)
-            self._write_aliases_of(tensor)
+            self.write_through(tensor)
             view = ParameterView(tensor, key)  # holds the tensor: its id stays its own
             with _no_capture():
                 shape = tuple(view().shape)
@@ -535,6 +549,7 @@ class Graph(_core.Store):
                 if new is not None:
                     return new.id
                 self._refuse_stale_view(x)
+                self.write_through(x)
             with _no_capture():  # (through the capture mode each attribute costs ~1.4 us)
                 requires_grad, leaf = x.requires_grad, x.is_leaf
             if not requires_grad:
@@ -620,6 +635,8 @@ class Graph(_core.Store):
         """The tag of an embedding table in this graph, checked once (the compiled lookup rule
         keeps it until close)."""
         self.check_tensor("lookup", table)
+        if self.shadows:
+            self.write_through(table)
         return signatures.tag(self, table)
 
     def node_of(self, x: Expression) -> int:
@@ -885,6 +902,7 @@ class Graph(_core.Store):
         self.row_views = {}
         self.tags = {}
         self.shadows = {}
+        self.shadow_storages = set()
 
     def _write_back(self) -> None:
         targets = [target for target, _ in self.shadows.values()]
