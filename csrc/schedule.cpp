@@ -66,18 +66,38 @@ struct Signatures {
   std::size_t count() const { return first.size(); }
 };
 
+// Interned ids below this many per node are numbered through a table indexed by id (a load per
+// node) rather than KeyNumbers (a hash and a probe): the ids of a graph's few hundred signatures
+// are small, while a small forward of a graph with very many must not pay for a table of all.
+constexpr i64 kTableIdsPerNode = 4;
+
 Signatures compact_signatures(const Nodes& nodes) {
-  KeyNumbers numbers;
   Signatures sigs;
   sigs.of.resize(nodes.n);
   std::vector<Local> first;
-  std::int32_t last = -1;  // consecutive nodes often share a signature: skip the lookup
-  for (Local v = 0; v < nodes.n; ++v) {
-    if (last < 0 || nodes.sig[v] != nodes.sig[first[last]]) {
-      last = numbers.number(nodes.sig[v]);
-      if (last == static_cast<std::int32_t>(first.size())) first.push_back(v);
+  i64 top = -1;  // the highest interned id (ids are >= 0: the store's row numbers)
+  for (Local v = 0; v < nodes.n; ++v) top = std::max(top, nodes.sig[v]);
+  if (nodes.n && *std::min_element(nodes.sig, nodes.sig + nodes.n) >= 0 &&
+      top < kTableIdsPerNode * static_cast<i64>(nodes.n)) {
+    std::vector<std::int32_t> number(static_cast<std::size_t>(top) + 1, -1);
+    for (Local v = 0; v < nodes.n; ++v) {
+      std::int32_t& s = number[nodes.sig[v]];
+      if (s < 0) {
+        s = static_cast<std::int32_t>(first.size());
+        first.push_back(v);
+      }
+      sigs.of[v] = s;
     }
-    sigs.of[v] = last;
+  } else {
+    KeyNumbers numbers;
+    std::int32_t last = -1;  // consecutive nodes often share a signature: skip the lookup
+    for (Local v = 0; v < nodes.n; ++v) {
+      if (last < 0 || nodes.sig[v] != nodes.sig[first[last]]) {
+        last = numbers.number(nodes.sig[v]);
+        if (last == static_cast<std::int32_t>(first.size())) first.push_back(v);
+      }
+      sigs.of[v] = last;
+    }
   }
   std::vector<std::int32_t> by_key(first.size());
   std::iota(by_key.begin(), by_key.end(), 0);
