@@ -86,6 +86,15 @@ def test_launches_per_family(name):
     assert (depth, agenda, auto, bound) == LAUNCHES[name]
 
 
+def test_bench_quality_times_several_builds_and_launches_as_one():
+    """`bench quality` builds each graph `repeats` times (one cold scheduling call is spiky on
+    a shared core): its launches and bounds are a build's, exact; its us/node their median."""
+    from flybatch.bench import quality
+    row = quality.measure(workloads.family("calculator"), "auto", 20, 0, repeats=3)
+    assert (row["launches"], row["bound"], row["tight"], row["repeats"]) == (27, 25, 27, 3)
+    assert row["schedule_us_per_node"] > 0
+
+
 def test_auto_reaches_the_tight_bound_on_hierarchical_rnn():
     """An outer RNN step must wait for the inner steps of every sentence: the list schedule
     built backwards lines the steps up from the end, and meets the tight bound."""
