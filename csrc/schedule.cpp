@@ -66,18 +66,38 @@ struct Signatures {
   std::size_t count() const { return first.size(); }
 };
 
+// Interned ids below this many per node are numbered through a table indexed by id (a load per
+// node) rather than KeyNumbers (a hash and a probe): the ids of a graph's few hundred signatures
+// are small, while a small forward of a graph with very many must not pay for a table of all.
+constexpr i64 kTableIdsPerNode = 4;
+
 Signatures compact_signatures(const Nodes& nodes) {
-  KeyNumbers numbers;
   Signatures sigs;
   sigs.of.resize(nodes.n);
   std::vector<Local> first;
-  std::int32_t last = -1;  // consecutive nodes often share a signature: skip the lookup
-  for (Local v = 0; v < nodes.n; ++v) {
-    if (last < 0 || nodes.sig[v] != nodes.sig[first[last]]) {
-      last = numbers.number(nodes.sig[v]);
-      if (last == static_cast<std::int32_t>(first.size())) first.push_back(v);
+  i64 top = -1;  // the highest interned id (ids are >= 0: the store's row numbers)
+  for (Local v = 0; v < nodes.n; ++v) top = std::max(top, nodes.sig[v]);
+  if (nodes.n && *std::min_element(nodes.sig, nodes.sig + nodes.n) >= 0 &&
+      top < kTableIdsPerNode * static_cast<i64>(nodes.n)) {
+    std::vector<std::int32_t> number(static_cast<std::size_t>(top) + 1, -1);
+    for (Local v = 0; v < nodes.n; ++v) {
+      std::int32_t& s = number[nodes.sig[v]];
+      if (s < 0) {
+        s = static_cast<std::int32_t>(first.size());
+        first.push_back(v);
+      }
+      sigs.of[v] = s;
     }
-    sigs.of[v] = last;
+  } else {
+    KeyNumbers numbers;
+    std::int32_t last = -1;  // consecutive nodes often share a signature: skip the lookup
+    for (Local v = 0; v < nodes.n; ++v) {
+      if (last < 0 || nodes.sig[v] != nodes.sig[first[last]]) {
+        last = numbers.number(nodes.sig[v]);
+        if (last == static_cast<std::int32_t>(first.size())) first.push_back(v);
+      }
+      sigs.of[v] = last;
+    }
   }
   std::vector<std::int32_t> by_key(first.size());
   std::iota(by_key.begin(), by_key.end(), 0);
@@ -191,20 +211,36 @@ class CountPool {
 // 300-1,500-node graphs of bench quality that is 3-4x cheaper.
 constexpr std::size_t kDenseCounts = std::size_t{1} << 16;
 
-__attribute__((optimize("O3"))) std::vector<std::int32_t> dense_ranks_of(const Nodes& nodes, const Signatures& sigs,
-                                         const std::vector<OpFlags>& flags) {
+// Only signatures whose counts can matter get a column: one that launches a kernel (a leaf is
+// never counted: its counts stay 0) and, where depths are known, has nodes at two depths or
+// more (edges go to deeper nodes, so no path holds two nodes of one depth: such a signature's
+// ranks are all 1). On bench quality's graphs that is a half to two thirds of the signatures.
+__attribute__((optimize("O3"))) std::vector<std::int32_t> dense_ranks_of(
+    const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags) {
   constexpr std::size_t kChunk = 8;  // rows padded to chunks of 8, which the compiler vectorizes
-  const std::size_t width = (sigs.count() + kChunk - 1) / kChunk * kChunk;
+  std::vector<std::int32_t> column(sigs.count(), -1);
+  std::size_t columns = 0;
+  if (nodes.depth) {
+    std::vector<bool> deeper(sigs.count(), false);  // a node deeper than the signature's first
+    for (Local v = 0; v < nodes.n; ++v)
+      if (nodes.depth[v] != nodes.depth[sigs.first[sigs.of[v]]]) deeper[sigs.of[v]] = true;
+    for (std::size_t s = 0; s < sigs.count(); ++s)
+      if (deeper[s] && !flags[s].leaf) column[s] = static_cast<std::int32_t>(columns++);
+  } else {
+    for (std::size_t s = 0; s < sigs.count(); ++s)
+      if (!flags[s].leaf) column[s] = static_cast<std::int32_t>(columns++);
+  }
+  const std::size_t width = (columns + kChunk - 1) / kChunk * kChunk;
   std::vector<std::int32_t> count(static_cast<std::size_t>(nodes.n) * width, 0), rank(nodes.n);
   for (Local v = 0; v < nodes.n; ++v) {
     std::int32_t* __restrict row = &count[v * width];
     for_each_input(nodes, v, [&](Local u) {
       const std::int32_t* __restrict input = &count[u * width];
-      for (std::size_t s = 0; s < width; s += kChunk)
-        for (std::size_t k = 0; k < kChunk; ++k) row[s + k] = std::max(row[s + k], input[s + k]);
+      for (std::size_t c = 0; c < width; c += kChunk)
+        for (std::size_t k = 0; k < kChunk; ++k) row[c + k] = std::max(row[c + k], input[c + k]);
     });
     const std::int32_t s = sigs.of[v];
-    rank[v] = row[s] += flags[s].leaf ? 0 : 1;
+    rank[v] = column[s] >= 0 ? ++row[column[s]] : !flags[s].leaf;
   }
   return rank;
 }
@@ -371,6 +407,29 @@ Plan by_key(const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlag
   return plan;
 }
 
+// by_key's launches, or `limit` when it would launch at least that many (then no plan is
+// built: `auto` keeps only a schedule that launches fewer). The (key, signature) pairs of nodes
+// that launch, counted in a bit table of keys x signatures; a table over 64 bits per node would
+// cost more than the plan it saves, and the plan is built instead.
+Plan by_key_below(const Nodes& nodes, const Signatures& sigs, const std::vector<OpFlags>& flags,
+                  const i64* key, i64 limit) {
+  const i64 keys = nodes.n ? *std::max_element(key, key + nodes.n) + 1 : 0;
+  const auto n_sigs = static_cast<i64>(sigs.count());
+  if (keys * n_sigs > 64 * static_cast<i64>(nodes.n)) return by_key(nodes, sigs, flags, key);
+  std::vector<std::uint64_t> seen(static_cast<std::size_t>((keys * n_sigs + 63) / 64), 0);
+  i64 launches = 0;
+  for (Local v = 0; v < nodes.n; ++v) {
+    const std::int32_t s = sigs.of[v];
+    if (flags[s].leaf) continue;
+    const i64 bit = key[v] * n_sigs + s;
+    std::uint64_t& word = seen[bit / 64];
+    launches += !(word >> (bit % 64) & 1u);
+    word |= std::uint64_t{1} << (bit % 64);
+  }
+  if (launches >= limit) return Plan{{}, {}, limit};
+  return by_key(nodes, sigs, flags, key);
+}
+
 // The latest-possible twin of the depth rule: key = 1 + (longest path below the deepest node)
 // - (longest path below v), so every node runs as late as its consumers allow and the last
 // steps of paths of different lengths line up (losses after sequences of different lengths
@@ -422,6 +481,7 @@ struct Groups {
   std::vector<i64> size;            // per group
   std::vector<std::int32_t> rank;   // per node (ranks_of)
   std::vector<std::int32_t> high;   // per signature: its highest rank, 0 for leaves
+  std::vector<Local> nodes_of;      // per signature: its number of nodes
   i64 bound = 0;                    // groups of signatures that launch a kernel
 };
 
@@ -444,9 +504,8 @@ class LaunchesLeft {
  public:
   LaunchesLeft(const Groups& groups, const Signatures& sigs, const std::vector<OpFlags>& flags,
                bool by_rank = true)
-      : groups_(&groups), sigs_(&sigs), by_rank_(by_rank), left_(sigs.count(), 0),
+      : groups_(&groups), sigs_(&sigs), by_rank_(by_rank), left_(groups.nodes_of),
         done_(sigs.count(), 0) {
-    for (std::int32_t s : sigs.of) ++left_[s];
     for (std::size_t s = 0; s < sigs.count(); ++s)
       if (flags[s].leaf) left_[s] = 0;  // leaves launch nothing: never counted
     for (std::size_t s = 0; s < sigs.count(); ++s) value_ += bound_of(s);
@@ -486,7 +545,7 @@ Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<O
   const std::size_t n_sigs = sigs.count();
   std::vector<std::int32_t> rank = ranks_of(nodes, sigs, flags);
   std::vector<double> depth_sum(n_sigs, 0.0);
-  std::vector<i64> size(n_sigs, 0);
+  std::vector<Local> size(n_sigs, 0);
   std::vector<std::int32_t> low(n_sigs, INT32_MAX), high(n_sigs, 0);  // rank range
   for (Local v = 0; v < n; ++v) {
     const std::int32_t s = sigs.of[v];
@@ -517,6 +576,7 @@ Groups groups_of(const Nodes& nodes, const Signatures& sigs, const std::vector<O
   for (Local v = 0; v < n; ++v) ++groups.size[groups.of[v] = first_group[sigs.of[v]] + rank[v]];
   groups.rank = std::move(rank);
   groups.high = std::move(high);
+  groups.nodes_of = std::move(size);
   return groups;
 }
 
@@ -709,7 +769,7 @@ class ListRun {
           Priority priority, bool backward)
       : nodes_(&nodes), edges_(&edges), sigs_(&sigs), flags_(&flags), height_(&height),
         priority_(priority), backward_(backward), waiting_(edges.inputs),
-        left_(sigs.count(), 0), slots_(nodes.n), begin_(sigs.count(), 0),
+        left_(groups.nodes_of), slots_(nodes.n), begin_(sigs.count(), 0),
         filled_(sigs.count(), 0), taken_(sigs.count(), 0), top_(sigs.count(), -1),
         key_(sigs.count(), 0.0), scan_(sigs.count() <= kScanSignatures),
         is_dirty_(sigs.count(), 0),
@@ -718,7 +778,6 @@ class ListRun {
     if (backward)
       for (Local v = 0; v < n; ++v)
         waiting_[v] = static_cast<Local>(edges.consumers_ptr[v + 1] - edges.consumers_ptr[v]);
-    for (Local v = 0; v < n; ++v) ++left_[sigs.of[v]];
     std::partial_sum(left_.begin(), left_.end() - 1, begin_.begin() + 1);
     plan.order.reserve(n);
     for (Local v = 0; v < n; ++v)
@@ -1123,12 +1182,13 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
       },
       [&] { return list_won(Priority::squares); },
       [&] { return list_won(Priority::highest_sum); },
-      [&] { return by_key(nodes, sigs, flags, nodes.depth); },
+      [&] { return by_key_below(nodes, sigs, flags, nodes.depth, best.launches); },
       [&] {
         return ranked_agenda(nodes, groups, edges, sigs, flags, nullptr, false, best.launches);
       },
       [&] {
-        return by_key(nodes, sigs, flags, as_late_as_possible(nodes, sigs, flags, height).data());
+        return by_key_below(nodes, sigs, flags,
+                            as_late_as_possible(nodes, sigs, flags, height).data(), best.launches);
       },
       [&] {
         const i64 size = nodes.n + static_cast<i64>(edges.consumers.size());
