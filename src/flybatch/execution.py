@@ -29,13 +29,14 @@ module runs it with torch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from . import _core, signatures
+from . import _core, kernels, projection, signatures
 from .errors import ExecutionError
 from .scheduling import Schedule
 
@@ -61,6 +62,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
     if plan.first_batch:
         _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
+    concats: dict[int, tuple] = {}  # batch of concat along dim 0 -> (its reads, stacked, size)
     for nodes, (arg_reads, stacked, arities, widths, lengths, uneven) in zip(plan.batches,
                                                                              batch_reads):
         first = int(nodes[0])
@@ -69,6 +71,9 @@ def run(graph: "Graph", plan: Schedule) -> None:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         elif op.picks_from_input and _run_picked(graph, nodes, arg_reads[0], reads, indices,
                                                   pieces, plan.first_batch):
+            graph.launches.append((graph.sig_of(first), len(nodes)))
+        elif op.name == "affine" and concats and _run_projected(
+                graph, nodes, arg_reads, reads, indices, concats, plan.first_batch):
             graph.launches.append((graph.sig_of(first), len(nodes)))
         else:
             size = len(nodes)
@@ -103,6 +108,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
                 out = out.expand(size, *out.shape[1:])
             values.append(out)
             graph.launches.append((graph.sig_of(first), size))
+            if op.name == "concat" and attr == 0 and lengths is None:
+                concats[len(values) - 1] = (arg_reads, stacked, size)
         source = len(values) - 1
         if uneven:
             graph.padded.add(source)
@@ -146,6 +153,45 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
     if graph.is_no_grad(int(nodes[0])):
         value = value.detach()  # written under torch.no_grad(): no gradient, as eagerly
     graph.values.append(value)
+    return True
+
+
+def _run_projected(graph: "Graph", nodes: np.ndarray, arg_reads: tuple, reads: list[Read],
+                   indices: "_Indices", concats: dict[int, tuple], first_batch: int) -> bool:
+    """An affine batch of a shared weight and bias over a concat of rows of earlier forwards'
+    results, run as one gather of their projections by the weight's blocks and a sum
+    (projection.py; appended to graph.values). False when it runs as written."""
+    w_read, x_read, b_read = (reads[k] for k in arg_reads)
+    if x_read[0] != "view" or x_read[1] not in concats or w_read[0] != "view" \
+            or b_read[0] != "view":
+        return False
+    values = graph.values
+    weight, bias = values[w_read[1]], values[b_read[1]]
+    if weight.shape[0] != 1 or bias.shape[0] != 1 or weight.dim() != 3:
+        return False
+    concat_reads, stacked, size = concats[x_read[1]]
+    _, _, start, length = x_read
+    with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
+        found = projection.plan(graph, concat_reads, stacked, size, slice(start, start + length),
+                                w_read[1], reads, indices.numpy, first_batch)
+        if found is None:
+            return False
+        joined, rows, sources = found
+        table = joined.table
+        rows = torch.from_numpy(rows).to(table.device)
+        if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
+            if joined.sink is None:
+                joined.sink = _GradientSink(table)
+            picked = _SinkReads.apply([(joined.sink, rows, 0, 0)], [joined.sink],
+                                      joined.sink.token)[0]
+        else:
+            picked = table.index_select(0, rows)
+        graph.gathers += 1
+        out = weight.shape[1]
+        # The model's FLOPs are the product it wrote, not the projections that replace it.
+        x = next((s for s in sources if s.requires_grad), sources[0])
+        kernels.flops.add(length * out, weight.shape[2], x, weight)
+        values.append(picked.view(length, -1, out).sum(1) + bias[0])
     return True
 
 
