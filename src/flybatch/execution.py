@@ -191,7 +191,7 @@ def _run_projected(graph: "Graph", nodes: np.ndarray, arg_reads: tuple, reads: l
         # The model's FLOPs are the product it wrote, not the projections that replace it.
         x = next((s for s in sources if s.requires_grad), sources[0])
         kernels.flops.add(length * out, weight.shape[2], x, weight)
-        values.append(picked.view(length, -1, out).sum(1) + bias[0])
+        values.append(picked.view(length, -1, out).sum(1) + bias)  # ([1, out] broadcast)
     return True
 
 
