@@ -120,7 +120,7 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
     if width % k:
         return None
     d = width // k
-    blocks = []  # per read: (parts, permutation, rows it gives)
+    blocks = []  # per read: its (source, rows) parts and their permutation
     for read in concat_reads:
         found = _read_parts(read, reads, index)
         if found is None:
@@ -133,47 +133,31 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
                 return None
         blocks.append(found)
     sources = tuple(sorted({source for parts, _ in blocks for source, _ in parts}))
-    offsets, total = {}, 0
-    for source in sources:
-        offsets[source] = total
-        total += values[source].shape[0]
-    columns = []  # the source row each (node, block) reads, as a row of the joined sources
-    for parts, permutation in blocks:
-        ids = np.concatenate([offsets[source] + np.asarray(r, np.int64) for source, r in parts])
-        if permutation is not None:
-            ids = ids[permutation]
-        columns.append(ids)
-    if stacked:
-        ids = columns[0]
-        if len(ids) == 1:  # one node read by every node, broadcast
-            ids = np.repeat(ids, size * k)
-        if len(ids) != size * k:
-            return None
-        ids = ids.reshape(size, k)
-    else:
-        columns = [np.repeat(c, size) if len(c) == 1 else c for c in columns]
-        if any(len(c) != size for c in columns):
-            return None
-        ids = np.stack(columns, 1)
-    ids = ids[rows]
+    ids = _rows_read(blocks, sources, values, stacked, size, k)
+    if ids is None:
+        return None
     projections: Projections = graph.projections
     grad = torch.is_grad_enabled()
-    for source in sources:  # rows read through the weight: the direct path's cost so far
-        key = (weight_batch, source)
-        projections.rows_read[key] = projections.rows_read.get(key, 0) + int(
-            ((ids >= offsets[source]) & (ids < offsets[source] + values[source].shape[0])).sum())
-    tables = []
+    tables, missing = [], []
     for source in sources:
-        value = values[source]
-        key = (weight_batch, source, grad)
-        projection = projections.tables.get(key)
-        if projection is None or not projection.valid(weight, value):
-            if projections.rows_read[(weight_batch, source)] * SMALL_GEMM_SLOWDOWN \
-                    < value.shape[0] * k:
-                return None
-            projection = projections.tables[key] = _project(weight, value, k, d, out)
+        projection = projections.tables.get((weight_batch, source, grad))
+        if projection is None or not projection.valid(weight, values[source]):
+            missing.append(source)
+        tables.append(None if projection is None else projection.table)
+    if missing:  # rent or buy: the rows read through the weight so far, this forward's too
+        pays = True
+        for source in missing:
+            read = projections.rows_read.get((weight_batch, source), 0) + sum(
+                len(r) for parts, _ in blocks for s, r in parts if s == source)
+            projections.rows_read[(weight_batch, source)] = read
+            pays = pays and read * SMALL_GEMM_SLOWDOWN >= values[source].shape[0] * k
+        if not pays:
+            return None
+        for source in missing:
+            projection = _project(weight, values[source], k, d, out)
+            projections.tables[(weight_batch, source, grad)] = projection
+            tables[sources.index(source)] = projection.table
             projections.products += 1
-        tables.append(projection.table)
     tables = tuple(tables)
     joined_key = (weight_batch, sources, grad)
     joined = projections.joined.get(joined_key)
@@ -181,7 +165,28 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
         joined = projections.joined[joined_key] = _Joined(
             tables, tables[0] if len(tables) == 1 else torch.cat(tables))
     projections.batches += 1
-    return joined, (ids * k + np.arange(k)).reshape(-1), [values[s] for s in sources]
+    return joined, (ids[rows] * k + np.arange(k)).reshape(-1), [values[s] for s in sources]
+
+
+def _rows_read(blocks: list, sources: tuple[int, ...], values: list, stacked: int, size: int,
+               k: int) -> np.ndarray | None:
+    """[size, k]: the row each node reads as block i, numbered in the sources' rows end to end;
+    None when the reads do not give one row per node and block."""
+    offsets, total = {}, 0
+    for source in sources:
+        offsets[source] = total
+        total += values[source].shape[0]
+    columns = []
+    for parts, permutation in blocks:
+        ids = np.concatenate([offsets[source] + np.asarray(r, np.int64) for source, r in parts])
+        columns.append(ids if permutation is None else ids[permutation])
+    if stacked:
+        ids = columns[0]
+        if len(ids) == 1:  # one node read by every node, broadcast
+            ids = np.repeat(ids, size * k)
+        return ids.reshape(size, k) if len(ids) == size * k else None
+    columns = [np.repeat(c, size) if len(c) == 1 else c for c in columns]
+    return np.stack(columns, 1) if all(len(c) == size for c in columns) else None
 
 
 def _project(w: torch.Tensor, source: torch.Tensor, k: int, d: int, out: int) -> _Projection:
