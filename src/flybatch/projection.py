@@ -127,9 +127,8 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
             return None
         parts, _ = found
         for source, _ in parts:
-            value = values[source]
-            if source >= first_batch or source in graph.padded or value.dim() != 2 \
-                    or value.shape[1] != d:
+            if source >= first_batch or source in graph.padded or values[source].dim() != 2 \
+                    or values[source].shape[1] != d:
                 return None
         blocks.append(found)
     sources = tuple(sorted({source for parts, _ in blocks for source, _ in parts}))
