@@ -96,11 +96,11 @@ def test_each_source_is_projected_once_and_each_later_step_gathers_instead_of_mu
 
 
 def test_a_large_result_read_by_few_later_rows_is_not_projected():
-    """Projecting 24 rows by four blocks costs 96 row products; two steps reading 8 rows each
-    cost 16 (at most 2.5x each as small products): it does not pay, the product runs as
-    written."""
+    """Projecting the 24 encoder rows and the pad by four blocks costs 100 row products; two
+    steps of two states multiply 16 (each at most ~2.5x slower as small products): it does not
+    pay, the product runs as written."""
     p = _parameters()
-    steps = [[[3, 5, None, 7]] * 2] * 2  # 2 steps of 2 states: 12 rows of the encoder read
+    steps = [[[3, 5, None, 7]] * 2] * 2
     want_values, want_grads = _eager(p, steps)
     values, projections = _flybatch(p, steps, "agenda")
     assert projections.products == 0 and projections.batches == 0

@@ -16,12 +16,12 @@ the projection's backward multiplies the whole dP by W (dX) and by X (dW) once: 
 instead of two small ones per forward.
 
 When it pays: a projection costs N_s * k row products at a large GEMM's speed; the direct path
-costs each row read at a small GEMM's, ~2.5x slower per FLOP (1 thread, 2026-11-23). Future reads
-are unknown, so the rule is rent-or-buy: a source is projected once the rows read of it through
-the weight, by this forward and the graph's earlier ones, cost as much as projecting it would
-(SMALL_GEMM_SLOWDOWN), which costs at most about twice the better choice in hindsight. A source read by this
-forward's own kernels, stored padded, or read in another layout is never projected; the batch
-then runs as written.
+costs each row and block it multiplies at a small GEMM's, ~2.5x slower (1 thread, 2026-11-23).
+Future reads are unknown, so the rule is rent-or-buy: the sources are projected once the
+products run as written by the weight, this forward's included, cost as much as projecting
+them would (SMALL_GEMM_SLOWDOWN), which costs at most about twice the better choice in
+hindsight. A source computed by this forward, stored padded, or read in another layout is never
+projected; the batch then runs as written.
 
 This module plans (which rows of which table) and keeps the tables; execution.py reads them.
 """
@@ -35,8 +35,9 @@ import torch
 
 from . import kernels
 
-# A source is projected once (rows read of it through the weight) * SMALL_GEMM_SLOWDOWN >=
-# (its rows) * k: the direct path's cost so far has reached the projection's (rent-or-buy).
+# Sources are projected once (rows times blocks multiplied as written by the weight since its
+# last projection) * SMALL_GEMM_SLOWDOWN >= (the sources' rows) * k: the direct path's cost so
+# far has reached the projections' (rent-or-buy).
 # The slowdown is the direct path's time per row and block over a projection's, forward and
 # backward with their gathers and gradient scatters, measured on the benchmark machine (1
 # thread, the parser's shapes: 1,132 source rows of 400, k = 4, 100 out): 3.8 at 16 rows per
@@ -79,7 +80,8 @@ class Projections:
 
     tables: dict[tuple, _Projection] = field(default_factory=dict)
     joined: dict[tuple, _Joined] = field(default_factory=dict)  # (weight, sources, grad mode)
-    rows_read: dict[tuple[int, int], int] = field(default_factory=dict)
+    # weight batch -> rows times blocks it multiplied as written since its last projection
+    rent: dict[int, int] = field(default_factory=dict)
     batches: int = 0
     products: int = 0
 
@@ -143,15 +145,12 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
         if projection is None or not projection.valid(weight, values[source]):
             missing.append(source)
         tables.append(None if projection is None else projection.table)
-    if missing:  # rent or buy: the rows read through the weight so far, this forward's too
-        pays = True
-        for source in missing:
-            read = projections.rows_read.get((weight_batch, source), 0) + sum(
-                len(r) for parts, _ in blocks for s, r in parts if s == source)
-            projections.rows_read[(weight_batch, source)] = read
-            pays = pays and read * SMALL_GEMM_SLOWDOWN >= values[source].shape[0] * k
-        if not pays:
+    if missing:  # rent or buy: the products run as written since the last projection
+        rent = projections.rent.get(weight_batch, 0) + (rows.stop - rows.start) * k
+        projections.rent[weight_batch] = rent
+        if rent * SMALL_GEMM_SLOWDOWN < sum(values[source].shape[0] for source in missing) * k:
             return None
+        projections.rent[weight_batch] = 0
         for source in missing:
             projection = _project(weight, values[source], k, d, out)
             projections.tables[(weight_batch, source, grad)] = projection
