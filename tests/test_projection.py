@@ -162,3 +162,32 @@ def test_a_concat_of_items_of_different_widths_is_multiplied_as_written():
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert g.projections.products == 0
 
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parsers_written_per_sentence_under_map_batched_read_projections(strategy):
+    """Each instance encodes its sentence, then asks for its scores' values at every step: the
+    steps of all instances share a forward, and read projections of the encoders' states."""
+    p = _parameters()
+    sentences = [_steps(n_steps=20 + i, states=1, seed=i) for i in range(5)]
+    want_values, want_grads = _eager(p, [step for steps in sentences for step in steps])
+
+    def parse(steps):
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        values, losses = [], []
+        for (features,) in steps:
+            score = fb.tanh(fb.affine(p["M"], fb.concat(
+                [p["pad"] if t is None else states[t] for t in features]), p["m"]))
+            values.append(score.value())
+            losses.append(fb.sum_elems(score))
+        return values, losses
+
+    with fb.Graph(strategy=strategy) as g:
+        results = fb.map_batched(parse, sentences)
+        fb.esum([loss for _, losses in results for loss in losses]).backward()
+        assert g.projections.batches > 0
+    got_values = [value for values, _ in results for value in values]
+    torch.testing.assert_close(torch.stack(got_values), torch.cat(want_values), rtol=1e-12,
+                               atol=1e-12)
+    for got, want in zip([q.grad for q in p.values()], want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
