@@ -21,6 +21,9 @@ per result (one zero tensor per result, not one per read). A forward makes all i
 earlier results first, in ONE autograd function (`_SinkReads`), however many results they read.
 A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is: a zero tensor
 of its size per read costs less than a sink.
+A shared-weight product of a concat of rows of earlier forwards' results (a parser's scores of
+its encoder states) gathers projections of those results by the weight's blocks instead of
+multiplying, once that pays (projection.py; `_plan_projections`).
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -162,8 +165,9 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: 
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
-    the weight, the bias); and the reads of their concat batches, which no backward reaches: they are read
-    as they are, not through the results' gradient sinks."""
+    the weight, the bias); and the reads of their concat batches. The concats still run (a
+    later forward may read their nodes), but their only reader here no longer does, so no
+    backward reaches their reads: those are read as they are, not through gradient sinks."""
     first_batch, values = plan.first_batch, graph.values
     projected, plain = {}, set()
     readers = None  # source batch -> how many reads of this forward read it
