@@ -192,9 +192,10 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: 
         if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
             continue
         with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
-            gather = projection.plan(graph, concat_reads, stacked, len(concat_nodes),
-                                     slice(x_read[2], x_read[2] + x_read[3]), w_read[1], reads,
-                                     indices.numpy, first_batch)
+            # (guarded: a projection is this batch's kernel, its time kernel time)
+            gather = _guarded(graph, nodes, projection.plan, graph, concat_reads, stacked,
+                              len(concat_nodes), slice(x_read[2], x_read[2] + x_read[3]),
+                              w_read[1], reads, indices.numpy, first_batch)
         if gather is not None:
             projected[batch] = (*gather, weight, bias)
             plain.update(k for read in concat_reads
