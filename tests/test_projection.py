@@ -14,7 +14,7 @@ import flybatch as fb
 from flybatch import kernels
 
 STRATEGIES = ["none", "depth", "agenda", "auto"]
-TOKENS, WIDTH, FEATURES, OUT = 24, 5, 4, 6
+TOKENS, WIDTH, FEATURES, OUT = 24, 5, 4, 5
 
 
 def _parameters():
@@ -104,6 +104,19 @@ def test_a_large_result_read_by_few_later_rows_is_not_projected():
     want_values, want_grads = _eager(p, steps)
     values, projections = _flybatch(p, steps, "agenda")
     assert projections.products == 0 and projections.batches == 0
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_weight_whose_projections_would_dwarf_their_sources_is_multiplied_as_written():
+    """A table holds k * out numbers per source row where the source holds d: 4 blocks of 24
+    outputs would be 96 per row of 5, more than TABLE_MAX_GROWTH times as many."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    p["M"] = torch.nn.Parameter(torch.randn(6 * FEATURES, FEATURES * WIDTH, dtype=torch.float64))
+    p["m"] = torch.nn.Parameter(torch.randn(6 * FEATURES, dtype=torch.float64))
+    want_values, want_grads = _eager(p, steps)
+    values, projections = _flybatch(p, steps, "agenda")
+    assert projections.products == 0
     for got, want in zip(values, want_values):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

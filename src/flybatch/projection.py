@@ -43,6 +43,10 @@ from . import kernels
 # thread, the parser's shapes: 1,132 source rows of 400, k = 4, 100 out): 3.8 at 16 rows per
 # batch, 2.5 at 32, 2.0 at 64.
 SMALL_GEMM_SLOWDOWN = 2.5
+# A projection holds k * out numbers per source row where the source holds d: a weight with many
+# more outputs than inputs per block (a vocabulary-sized output layer) would make it many times
+# the size of its sources. Such a weight is left as written.
+TABLE_MAX_GROWTH = 4
 
 
 @dataclass
@@ -119,7 +123,7 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
     weight = values[weight_batch]
     out, width = weight.shape[1], weight.shape[2]
     k = stacked or len(concat_reads)
-    if width % k:
+    if width % k or out * k > TABLE_MAX_GROWTH * (width // k):
         return None
     d = width // k
     blocks = []  # per read: its (source, rows) parts and their permutation
