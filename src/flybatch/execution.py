@@ -21,6 +21,9 @@ per result (one zero tensor per result, not one per read). A forward makes all i
 earlier results first, in ONE autograd function (`_SinkReads`), however many results they read.
 A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is: a zero tensor
 of its size per read costs less than a sink.
+A shared-weight product of a concat of rows of earlier forwards' results (a parser's scores of
+its encoder states) gathers projections of those results by the weight's blocks instead of
+multiplying, once that pays (projection.py; `_plan_projections`).
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -29,13 +32,15 @@ module runs it with torch.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from . import _core, signatures
+from . import _core, kernels, projection, signatures
 from .errors import ExecutionError
 from .scheduling import Schedule
 
@@ -58,17 +63,23 @@ def run(graph: "Graph", plan: Schedule) -> None:
         graph=graph, first_batch=plan.first_batch, order=plan.order, ends=plan.ends)
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
+    projected: dict[int, tuple] = {}
     if plan.first_batch:
-        _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch)
+        projected, plain = _plan_projections(graph, plan, batch_reads, reads, indices)
+        _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
-    for nodes, (arg_reads, stacked, arities, widths, lengths, uneven) in zip(plan.batches,
-                                                                             batch_reads):
+    for batch, (nodes, (arg_reads, stacked, arities, widths, lengths, uneven)) in enumerate(
+            zip(plan.batches, batch_reads), plan.first_batch):
         first = int(nodes[0])
         op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
         elif op.picks_from_input and _run_picked(graph, nodes, arg_reads[0], reads, indices,
                                                   pieces, plan.first_batch):
+            graph.launches.append((graph.sig_of(first), len(nodes)))
+        elif batch in projected:
+            values.append(_guarded(graph, nodes, _gather_projections, graph, nodes,
+                                   *projected[batch]))
             graph.launches.append((graph.sig_of(first), len(nodes)))
         else:
             size = len(nodes)
@@ -147,6 +158,74 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
         value = value.detach()  # written under torch.no_grad(): no gradient, as eagerly
     graph.values.append(value)
     return True
+
+
+def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: list[Read],
+                      indices: "_Indices") -> tuple[dict[int, tuple], set[int]]:
+    """The affine batches of this forward, of a shared weight and bias over a concat batch of
+    rows of earlier forwards' results, that gather projections of those results instead of
+    multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
+    the weight, the bias); and the reads of their concat batches. The concats still run (a
+    later forward may read their nodes), but their only reader here no longer does, so no
+    backward reaches their reads: those are read as they are, not through gradient sinks."""
+    first_batch, values = plan.first_batch, graph.values
+    projected, plain = {}, set()
+    readers = None  # source batch -> how many reads of this forward read it
+    for batch, (nodes, (arg_reads, *_)) in enumerate(zip(plan.batches, batch_reads),
+                                                     first_batch):
+        if graph.op_of(int(nodes[0])).name != "affine":
+            continue
+        w_read, x_read, b_read = (reads[k] for k in arg_reads)
+        if x_read[0] != "view" or x_read[1] < first_batch or w_read[0] != "view" \
+                or b_read[0] != "view" or max(w_read[1], b_read[1]) >= first_batch:
+            continue
+        concat = x_read[1] - first_batch
+        concat_reads, stacked, _, _, lengths, _ = batch_reads[concat]
+        concat_nodes = plan.batches[concat]
+        weight, bias = values[w_read[1]], values[b_read[1]]
+        if graph.op_of(int(concat_nodes[0])).name != "concat" or lengths is not None \
+                or graph.attr_of(int(concat_nodes[0])) != 0 or weight.dim() != 3 \
+                or weight.shape[0] != 1 or bias.shape[0] != 1:
+            continue
+        if readers is None:
+            readers = Counter(read[1] for read in reads if read[0] != "multi")
+        if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
+            continue
+        with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
+            # (guarded: a projection is this batch's kernel, its time kernel time)
+            gather = _guarded(graph, nodes, projection.plan, graph, concat_reads, stacked,
+                              len(concat_nodes), slice(x_read[2], x_read[2] + x_read[3]),
+                              w_read[1], reads, indices.numpy, first_batch)
+        if gather is not None:
+            projected[batch] = (*gather, weight, bias)
+            plain.update(k for read in concat_reads
+                         for k in ((read,) + (reads[read][1] if reads[read][0] == "multi"
+                                              else ())))
+    return projected, plain
+
+
+def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndarray,
+                        sources: list[torch.Tensor], weight: torch.Tensor,
+                        bias: torch.Tensor) -> torch.Tensor:
+    """An affine batch planned by `_plan_projections`: the k projected rows of each node,
+    gathered in one read (through the joined tables' gradient sink) and summed, plus the
+    bias."""
+    with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
+        table = joined.table
+        rows = torch.from_numpy(rows).to(table.device)
+        if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
+            if joined.sink is None:
+                joined.sink = _GradientSink(table)
+            picked = _SinkReads.apply([(joined.sink, rows, 0, 0)], [joined.sink],
+                                      joined.sink.token)[0]
+        else:
+            picked = table.index_select(0, rows)
+        graph.gathers += 1
+        n, out = len(nodes), table.shape[1]
+        # The model's FLOPs are the product it wrote, not the projections that replace it.
+        x = next((s for s in sources if s.requires_grad), sources[0])
+        kernels.flops.add(n * out, weight.shape[2], x, weight)
+        return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -229,11 +308,13 @@ def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
 
 
 def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, indices: _Indices,
-                          pieces: dict[int, torch.Tensor], first_batch: int) -> None:
+                          pieces: dict[int, torch.Tensor], first_batch: int,
+                          plain: set[int]) -> None:
     """Make every partial read of an earlier forward's result that autograd tracks (a fan-out's
     gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
     `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
-    parser or of `map_batched` reads rows of several earlier results."""
+    parser or of `map_batched` reads rows of several earlier results. The reads in `plain`,
+    which no backward reaches, are left to be read as they are."""
     values = graph.values
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
@@ -241,10 +322,10 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     for source, fan_out in fan_outs.items():
         if source >= first_batch or not values[source].requires_grad:
             continue
-        if not _behind_sink(values[source]):
+        read_ids, gather, sizes, piece_of = fan_out
+        if not _behind_sink(values[source]) or plain.issuperset(read_ids):
             _fan_out(graph, source, fan_out, indices, pieces)  # as a result of this forward
             continue
-        read_ids, gather, sizes, piece_of = fan_out
         fanned.update(read_ids)
         sink = _sink(graph, source)
         if gather is None:  # disjoint runs: a read of each run read
@@ -259,7 +340,7 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
             graph.gathers += len(read_ids)
     for k, read in enumerate(reads):
         kind, source = read[0], read[1]
-        if kind == "multi" or source >= first_batch or k in fanned:
+        if kind == "multi" or source >= first_batch or k in fanned or k in plain:
             continue
         tensor = values[source]
         if not _behind_sink(tensor) or (kind == "view" and read[3] == tensor.shape[0]):

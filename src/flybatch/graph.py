@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from . import _core, execution, scheduling, signatures
+from . import _core, execution, projection, scheduling, signatures
 from .errors import GraphError, ShapeError
 
 Shape = tuple[int, ...]
@@ -302,6 +302,9 @@ class Graph(_core.Store):
         self.padded: set[int] = set()
         live_graphs.add(self)
         self.sinks: dict[int, Any] = {}  # batch -> its gradient sink (execution._GradientSink)
+        # Projections of earlier results by shared weights (projection.py): what a product of a
+        # concat of such results reads instead of multiplying.
+        self.projections = projection.Projections()
         # Nodes whose backward ran without `retain_graph=True`: a second one raises, as eagerly
         # (it would silently add the gradients again; see `backward`).
         self.backward_done: set[int] = set()
@@ -898,6 +901,7 @@ class Graph(_core.Store):
         self.values = []
         self.padded = set()
         self.sinks = {}
+        self.projections = projection.Projections()
         self._leaf_nodes = {}
         self.row_views = {}
         self.tags = {}

@@ -248,7 +248,11 @@ def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return _Linear.apply(x, w, b) if grad else _onednn(x, w, b, transposed)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path."""
-    flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           model_flops: bool = True) -> torch.Tensor:
+    """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path.
+    `model_flops=False`: a product the model did not write (projection.py's, which counts the
+    model's products it replaces instead), left out of `flops`."""
+    if model_flops:
+        flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
     return _product(x, w, b)

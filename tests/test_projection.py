@@ -1,0 +1,206 @@
+"""A shared-weight product of a concat of earlier forwards' results (a transition parser's
+`affine(M, concat([v_s0, v_s1, v_s2, v_b0]), m)` over encoder states) runs as a gather of
+projections computed once per source (projection.py): eager values and gradients under every
+strategy, and only where it pays."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import flybatch as fb
+from flybatch import kernels
+
+STRATEGIES = ["none", "depth", "agenda", "auto"]
+TOKENS, WIDTH, FEATURES, OUT = 24, 5, 4, 5
+
+
+def _parameters():
+    torch.manual_seed(0)
+    make = lambda *shape: torch.nn.Parameter(torch.randn(*shape, dtype=torch.float64))  # noqa: E731
+    return {"W": make(WIDTH, 3), "E": make(TOKENS, 3), "pad": make(WIDTH),
+            "M": make(OUT, FEATURES * WIDTH), "m": make(OUT)}
+
+
+def _steps(n_steps: int = 10, states: int = 8, seed: int = 0):
+    """Per step, per state, the tokens of its features (None: the learned pad)."""
+    rng = random.Random(seed)
+    return [[[rng.choice([None, *range(TOKENS)]) for _ in range(FEATURES)]
+             for _ in range(states)] for _ in range(n_steps)]
+
+
+def _flybatch(p, steps, strategy, **graph_args):
+    """Encode every token in one forward, then each step's scores in a forward of their own;
+    returns the score values per step, the loss's gradients and the graph's projections."""
+    with fb.Graph(strategy=strategy, **graph_args) as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        values, losses = [], []
+        for step in steps:
+            scores = [fb.tanh(fb.affine(p["M"], fb.concat(
+                [p["pad"] if t is None else states[t] for t in features]), p["m"]))
+                for features in step]
+            values.append(g.forward(scores, stack=True))
+            losses += [fb.sum_elems(s) for s in scores]
+        loss = fb.esum(losses)
+        if loss.value().requires_grad:
+            loss.backward()
+        return values, g.projections
+
+
+def _eager(p, steps):
+    states = [torch.tanh(p["W"] @ p["E"][i]) for i in range(TOKENS)]
+    values = [torch.stack([torch.tanh(p["M"] @ torch.cat(
+        [p["pad"] if t is None else states[t] for t in features]) + p["m"])
+        for features in step]) for step in steps]
+    return values, torch.autograd.grad(sum(v.sum() for v in values), list(p.values()))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_product_of_a_concat_of_earlier_results_gives_eager_values_and_gradients(strategy):
+    p, steps = _parameters(), _steps()
+    want_values, want_grads = _eager(p, steps)
+    values, projections = _flybatch(p, steps, strategy)
+    assert projections.batches > 0  # the later steps read projections
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for got, want in zip([q.grad for q in p.values()], want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_product_of_a_concat_gives_eager_values_under_no_grad(strategy):
+    p, steps = _parameters(), _steps()
+    want_values, _ = _eager(p, steps)
+    with torch.no_grad():
+        values, projections = _flybatch(p, steps, strategy)
+    assert projections.batches > 0
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not got.requires_grad
+
+
+def test_each_source_is_projected_once_and_each_later_step_gathers_instead_of_multiplying():
+    p, steps = _parameters(), _steps(n_steps=12)
+    before = dict(kernels.gemm_counts)
+    _, projections = _flybatch(p, steps, "agenda")
+    products = sum(kernels.gemm_counts.values()) - sum(before.values())
+    # Two sources (the encoder's states and the pad), each projected once by M; the steps
+    # before it paid multiplied as written (one product each), the others gathered.
+    assert projections.products == 2
+    assert projections.batches < len(steps)
+    direct = len(steps) - projections.batches
+    assert products == 1 + direct + projections.products  # the encoder's product, W's
+
+
+def test_a_large_result_read_by_few_later_rows_is_not_projected():
+    """Projecting the 24 encoder rows and the pad by four blocks costs 100 row products; two
+    steps of two states multiply 16 (each at most ~2.5x slower as small products): it does not
+    pay, the product runs as written."""
+    p = _parameters()
+    steps = [[[3, 5, None, 7]] * 2] * 2
+    want_values, want_grads = _eager(p, steps)
+    values, projections = _flybatch(p, steps, "agenda")
+    assert projections.products == 0 and projections.batches == 0
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_weight_whose_projections_would_dwarf_their_sources_is_multiplied_as_written():
+    """A table holds k * out numbers per source row where the source holds d: 4 blocks of 24
+    outputs would be 96 per row of 5, more than TABLE_MAX_GROWTH times as many."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    p["M"] = torch.nn.Parameter(torch.randn(6 * FEATURES, FEATURES * WIDTH, dtype=torch.float64))
+    p["m"] = torch.nn.Parameter(torch.randn(6 * FEATURES, dtype=torch.float64))
+    want_values, want_grads = _eager(p, steps)
+    values, projections = _flybatch(p, steps, "agenda")
+    assert projections.products == 0
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_concat_of_a_result_of_the_same_forward_is_multiplied_as_written():
+    p, steps = _parameters(), _steps(n_steps=1)
+    with fb.Graph(strategy="agenda") as g:  # encoder and steps in ONE forward
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        scores = [fb.affine(p["M"], fb.concat([p["pad"] if t is None else states[t]
+                                               for t in features]), p["m"])
+                  for features in steps[0]]
+        g.forward(scores)
+        assert g.projections.products == 0
+
+
+def test_a_weight_written_in_place_between_forwards_is_projected_anew():
+    """As eagerly, a parameter is read when the forward runs: an in-place write (an optimizer
+    step) between two forwards makes the next one read projections of the new weight."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    with torch.no_grad():  # (computed outside the graph block, which would record it)
+        eager_states = [torch.tanh(p["W"] @ p["E"][i]) for i in range(TOKENS)]
+        wants = [torch.stack([(p["M"] if n < 8 else 0.5 * p["M"]) @ torch.cat(
+            [p["pad"] if t is None else eager_states[t] for t in features]) + p["m"]
+            for features in step]) for n, step in enumerate(steps)]
+    with fb.Graph(strategy="agenda") as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        for n, (step, want) in enumerate(zip(steps, wants)):
+            if n == 8:
+                with torch.no_grad():
+                    p["M"].mul_(0.5)
+            scores = [fb.affine(p["M"], fb.concat([p["pad"] if t is None else states[t]
+                                                   for t in features]), p["m"])
+                      for features in step]
+            got = g.forward(scores, stack=True)
+            torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+        assert g.projections.products == 4  # two sources, before and after the write
+
+
+def test_a_concat_of_items_of_different_widths_is_multiplied_as_written():
+    torch.manual_seed(0)
+    E = torch.nn.Parameter(torch.randn(TOKENS, 4, dtype=torch.float64))
+    F = torch.nn.Parameter(torch.randn(TOKENS, 2, dtype=torch.float64))
+    M = torch.nn.Parameter(torch.randn(3, 6, dtype=torch.float64))
+    m = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    rows = [[(step + j) % TOKENS for j in range(8)] for step in range(10)]
+    wants = [torch.stack([M @ torch.cat([torch.tanh(E[r]), torch.tanh(F[r])]) + m for r in step])
+             for step in rows]
+    with fb.Graph(strategy="agenda") as g:
+        a = [fb.tanh(fb.lookup(E, i)) for i in range(TOKENS)]
+        b = [fb.tanh(fb.lookup(F, i)) for i in range(TOKENS)]
+        g.forward()
+        for step, want in zip(rows, wants):
+            got = g.forward([fb.affine(M, fb.concat([a[r], b[r]]), m) for r in step],
+                            stack=True)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert g.projections.products == 0
+
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parsers_written_per_sentence_under_map_batched_read_projections(strategy):
+    """Each instance encodes its sentence, then asks for its scores' values at every step: the
+    steps of all instances share a forward, and read projections of the encoders' states."""
+    p = _parameters()
+    sentences = [_steps(n_steps=20 + i, states=1, seed=i) for i in range(5)]
+    want_values, want_grads = _eager(p, [step for steps in sentences for step in steps])
+
+    def parse(steps):
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        values, losses = [], []
+        for (features,) in steps:
+            score = fb.tanh(fb.affine(p["M"], fb.concat(
+                [p["pad"] if t is None else states[t] for t in features]), p["m"]))
+            values.append(score.value())
+            losses.append(fb.sum_elems(score))
+        return values, losses
+
+    with fb.Graph(strategy=strategy) as g:
+        results = fb.map_batched(parse, sentences)
+        fb.esum([loss for _, losses in results for loss in losses]).backward()
+        assert g.projections.batches > 0
+    got_values = [value for values, _ in results for value in values]
+    torch.testing.assert_close(torch.stack(got_values), torch.cat(want_values), rtol=1e-12,
+                               atol=1e-12)
+    for got, want in zip([q.grad for q in p.values()], want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
