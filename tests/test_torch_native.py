@@ -1478,6 +1478,31 @@ def test_fresh_one_element_indices_and_targets_keep_their_own_values_and_dtypes(
                       if g.op_of(n) is INDEX_INPUT) == ["torch.int32"] + ["torch.int64"] * 4
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([3]), lambda: torch.tensor([-7], device="cpu"),
+    lambda: torch.tensor([2**62], dtype=torch.int64), lambda: torch.tensor([5], dtype=torch.int32),
+    lambda: torch.tensor([True]), lambda: torch.tensor([3], dtype=torch.float64),
+    lambda: torch.tensor([3, 4]), lambda: torch.tensor([3], requires_grad=False)],
+    ids=["int", "device", "int64", "int32", "bool", "float", "two", "requires_grad"])
+def test_a_one_element_tensor_made_in_a_graph_block_is_the_tensor_made_eagerly(make):
+    """`torch.tensor([i])` inside a graph block (made there by a shorter path) has the value,
+    dtype, shape, device and flags it has eagerly, and is a tensor of its own each time."""
+    want = make()
+    with fb.Graph():
+        got, again = make(), make()
+    assert type(got) is torch.Tensor and got is not again
+    assert (got.dtype, got.shape, got.device, got.requires_grad, got.is_leaf, got.tolist()) == \
+        (want.dtype, want.shape, want.device, want.requires_grad, want.is_leaf, want.tolist())
+    assert got.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
+
+
+def test_a_one_element_tensor_of_an_int_too_large_raises_as_eagerly():
+    with pytest.raises(Exception) as eager:
+        torch.tensor([2**64])
+    with fb.Graph(), pytest.raises(type(eager.value), match=re.escape(str(eager.value))):
+        torch.tensor([2**64])
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
     """`F.embedding(torch.tensor([word]), E)` (or of a 0-d index) reads its row as `fb.lookup`
