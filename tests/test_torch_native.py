@@ -1503,6 +1503,53 @@ def test_a_one_element_tensor_of_an_int_too_large_raises_as_eagerly():
         torch.tensor([2**64])
 
 
+class _RepeatedForms(nn.Module):
+    """Calls repeated in one graph block with the same form and with forms differing in one
+    thing each: the weight (two of one shape, parts of a stacked one), an int constant, a
+    shape, an operand's dtype. Each call must get its own form's plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.U = nn.Parameter(torch.randn(2, 4, 4))  # stacked: U[0], U[1] are parameter parts
+        self.A, self.B = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+        self.b = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        total = x.new_zeros(())
+        for k in range(3):
+            h = torch.tanh(F.linear(x, self.U[k % 2]))  # parts of U, again and again
+            a, b_ = F.linear(h, self.A, self.b).chunk(2, -1)  # same form, twice...
+            c, d = F.linear(h, self.B, self.b).chunk(3 - k % 2, 0)[:2]  # ...another weight, int
+            rows = F.linear(h, self.A).view(2, 3) if k else F.linear(h, self.A).view(3, 2)
+            wide = h.float().view(2, 2).double()  # a view of an operand of its own dtype
+            total = total + (a * b_).sum() + (c * d).sum() + rows.sum(0).pow(2).sum() \
+                + wide.sum()
+        return total
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_calls_repeated_with_one_form_or_forms_differing_in_one_thing_train_as_eagerly(strategy):
+    """The graph keeps the plan of each form of a planned call (F.linear, chunk, view) and of
+    each part of a parameter (`U[0]`) it met: repeated calls, and calls differing in a weight,
+    an int, a shape or an operand's dtype, give eager values and gradients."""
+    model = seeded(_RepeatedForms())
+    check(model, model, draw(1, *[(4,)] * 5), strategy)
+
+
+def test_a_parameter_part_read_again_after_requires_grad_is_switched_off_runs_eagerly():
+    """`U[0]` is one node per graph while U requires grad; once U's requires_grad is switched
+    off in the block, `U[0]` is the plain tensor eager torch gives."""
+    U = nn.Parameter(torch.randn(2, 3, 3))
+    with fb.Graph():
+        first, again = U[0], U[0]
+        assert isinstance(first, fb.Expression) and again.id == first.id
+        U.requires_grad_(False)
+        plain = U[0]
+        U.requires_grad_(True)
+    assert type(plain) is torch.Tensor
+    torch.testing.assert_close(plain, U.detach()[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
     """`F.embedding(torch.tensor([word]), E)` (or of a 0-d index) reads its row as `fb.lookup`
