@@ -718,6 +718,38 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(PyObject_CallOneArg(op, x));
 }
 
+// What a recipe (capture._Recipe) gives for a call: `recipe.apply(args)`; for the pieces of a
+// chunk / split / unbind (capture._Pieces, ~2.5k per Tree-LSTM minibatch), its method without
+// its Python frames: each piece's plan appended over the expression's node, in a list or tuple.
+PyObject* g_pieces_type = nullptr;      // capture._Pieces
+PyObject* s_kind = nullptr;             // "kind"
+PyObject* s_plans = nullptr;            // "plans"
+
+PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
+  PyObject* x = PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, 0) : nullptr;
+  if (Py_TYPE(recipe) != reinterpret_cast<PyTypeObject*>(g_pieces_type) || !x ||
+      Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type))
+    return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
+  Owned kind{PyObject_GetAttr(recipe, s_kind)}, plans{PyObject_GetAttr(recipe, s_plans)};
+  if (!PyList_CheckExact(plans.get()))
+    return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
+  const Expression* e = reinterpret_cast<Expression*>(x);
+  PyObject* graph = reinterpret_cast<PyObject*>(e->graph);
+  Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
+  if (!PyDict_Check(node_dtypes.get())) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+  Owned id{PyLong_FromLongLong(e->id)};
+  Owned nodes{PyTuple_Pack(1, id.get())};
+  const Py_ssize_t n = PyList_GET_SIZE(plans.get());
+  Owned pieces{PyList_New(n)};
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Owned plan{Py_NewRef(PyList_GET_ITEM(plans.get(), i))};
+    PyList_SET_ITEM(pieces.get(), i,
+                    append_planned(graph, plan.get(), nodes.get(), node_dtypes.get()));
+  }
+  if (kind.get() == reinterpret_cast<PyObject*>(&PyList_Type)) return pieces.release();
+  return checked(PyObject_CallOneArg(kind.get(), pieces.get()));
+}
+
 // The form of a planned call (see `planned`), as the bytes of a list of ints: a key of the
 // graph's `call_plans`, which a call of the same form finds its plan in without take_apart's
 // Python tuples (~9k instructions of the ~23k of a recorded F.linear).
@@ -830,29 +862,37 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (form.known && form.describe(graph, g)) {
     const auto found = g->call_plans->find(form.text);
     if (found != g->call_plans->end()) {
+      check_open(g);  // (take_apart's check)
+      PyObject* plan = found->second;
+      if (Py_TYPE(plan) != reinterpret_cast<PyTypeObject*>(g_plan_type))
+        return apply_recipe(Owned{Py_NewRef(plan)}.get(), args);
       Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
       if (!PyDict_Check(node_dtypes.get()))
         raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
       Owned nodes{PyTuple_New(static_cast<Py_ssize_t>(form.nodes.size()))};
       for (std::size_t k = 0; k < form.nodes.size(); ++k)
         PyTuple_SET_ITEM(nodes.get(), k, checked(PyLong_FromLongLong(form.nodes[k])));
-      return append_planned(graph, found->second, nodes.get(), node_dtypes.get());
+      return append_planned(graph, plan, nodes.get(), node_dtypes.get());
     }
   }
   PyObject* call[5] = {Py_None, args, Py_None, PyTuple_GET_ITEM(entry, 1), handler};
   PyObject* plan = nullptr;  // set (a new reference) when take_apart appended by a _Plan
   Owned out{take_apart_call(call, 5, &plan)};
+  auto keep = [&](PyObject* found) {  // the form's plan or recipe, for the next call
+    if (form.known && form.ready && g->call_plans->emplace(form.text, found).second)
+      Py_INCREF(found);
+  };
   if (plan) {
     Owned held{plan};
-    if (form.known && form.ready && g->call_plans->emplace(form.text, plan).second)
-      Py_INCREF(plan);
+    keep(plan);
     return out.release();
   }
   if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();
   const int recipe = PyObject_IsInstance(out.get(), g_recipe_type);
   if (recipe < 0) throw PythonError{};
-  if (recipe) return checked(PyObject_CallMethodOneArg(out.get(), s_apply, args));
-  return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+  if (!recipe) return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+  keep(out.get());
+  return apply_recipe(out.get(), args);
 }
 
 // `torch.tensor([i])` of one Python int (a word's or a label's index tensor, made afresh at
@@ -936,6 +976,68 @@ PyObject* parameter_view(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(new_expression(reinterpret_cast<Store*>(graph), at));
 }
 
+// torch.cat (torch.concat, torch.concatenate) of expressions of the graph's floating dtype,
+// one graph's (a Tree-LSTM node's children's states, ~1.2k per minibatch): flybatch's concat
+// along the per-instance dim, as the handler (capture._cat) maps it, without its Python
+// frames. NULL (no error) for any other call, which the handler decides (or raises for).
+PyObject* g_cat_handler = nullptr;      // capture._cat
+PyObject* g_concat = nullptr;           // ops.concat
+PyObject* s_dim = nullptr;              // "dim"
+PyObject* g_dim_name = nullptr;         // ("dim",)
+
+PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n < 1 || n > 2 || PyDict_GET_SIZE(kwargs) > (n == 1 ? 1 : 0)) return nullptr;
+  PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
+  if (!handler) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  if (handler != g_cat_handler) return nullptr;
+  PyObject* dim = n == 2 ? PyTuple_GET_ITEM(args, 1) : nullptr;
+  if (PyDict_GET_SIZE(kwargs)) {
+    dim = PyDict_GetItemWithError(kwargs, s_dim);  // borrowed
+    if (!dim) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return nullptr;  // another keyword: the handler declines it
+    }
+  }
+  long long d = 0;
+  if (dim) {
+    if (!PyLong_CheckExact(dim)) return nullptr;
+    int overflow = 0;
+    d = PyLong_AsLongLongAndOverflow(dim, &overflow);
+    if (overflow || (d == -1 && PyErr_Occurred())) return nullptr;
+  }
+  PyObject* tensors = PyTuple_GET_ITEM(args, 0);
+  if (!(PyList_CheckExact(tensors) || PyTuple_CheckExact(tensors)) ||
+      PySequence_Fast_GET_SIZE(tensors) == 0)
+    return nullptr;
+  PyObject* first = PySequence_Fast_GET_ITEM(tensors, 0);
+  if (Py_TYPE(first) != reinterpret_cast<PyTypeObject*>(g_expression_type)) return nullptr;
+  Store* g = reinterpret_cast<Expression*>(first)->graph;
+  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(g), s_node_dtypes)};
+  if (!PyDict_Check(node_dtypes.get())) return nullptr;
+  Owned list{PyList_New(PySequence_Fast_GET_SIZE(tensors))};
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(tensors); ++i) {
+    PyObject* x = PySequence_Fast_GET_ITEM(tensors, i);
+    if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type) ||
+        reinterpret_cast<Expression*>(x)->graph != g)
+      return nullptr;
+    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(x)->id)};
+    const int own_dtype = PyDict_Contains(node_dtypes.get(), id.get());
+    if (own_dtype < 0) throw PythonError{};
+    if (own_dtype) return nullptr;  // not of the graph's floating dtype
+    PyList_SET_ITEM(list.get(), i, Py_NewRef(x));
+  }
+  const i64 node = reinterpret_cast<Expression*>(first)->id;
+  const long long ndim = PyTuple_GET_SIZE((*g->shape_tuples)[g->nodes->shape[node]]);
+  if (ndim == 0 || d < -ndim || d >= ndim) return nullptr;  // generic / torch's error
+  Owned per_instance{PyLong_FromLongLong(((d % ndim) + ndim) % ndim)};
+  PyObject* call[2] = {list.get(), per_instance.get()};
+  return checked(PyObject_Vectorcall(g_concat, call, 1, g_dim_name));
+}
+
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
   // Inside a torch.autocast region (rare: one flag read, ~2 ns, per call) the batched kernel
   // would compute in the operands' dtype, not the region's: refused where the region is the
@@ -967,6 +1069,8 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
   if (PyObject* out = written_out ? nullptr : parameter_view(func, args, kwargs.get()))
     return out;
   if (PyObject* out = written_out ? nullptr : planned(func, args, kwargs.get())) return out;
+  if (PyObject* out = written_out ? nullptr : concat_of_expressions(func, args, kwargs.get()))
+    return out;
   PyObject* handler = written_out ? nullptr : PyDict_GetItemWithError(g_handlers, func);
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
@@ -1106,6 +1210,16 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_tensor_getitem, PyObject_GetAttrString(g_tensor_type, "__getitem__"));
   Py_DECREF(torch);
   if (!g_torch_tensor || !g_torch_full || !g_int64 || !g_tensor_getitem) return nullptr;
+  PyObject* capture = PyImport_ImportModule("flybatch.capture");  // (being imported: its _cat)
+  PyObject* fb_ops = capture ? PyImport_ImportModule("flybatch.ops") : nullptr;
+  if (fb_ops) {
+    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(capture, "_cat"));
+    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(capture, "_Pieces"));
+    Py_XSETREF(g_concat, PyObject_GetAttrString(fb_ops, "concat"));
+  }
+  Py_XDECREF(capture);
+  Py_XDECREF(fb_ops);
+  if (!g_cat_handler || !g_concat || !g_pieces_type) return nullptr;
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
   PyObject* method =
       PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
@@ -1177,13 +1291,17 @@ bool register_capture(PyObject* module) {
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
   s_device = PyUnicode_InternFromString("device");
+  s_dim = PyUnicode_InternFromString("dim");
+  s_kind = PyUnicode_InternFromString("kind");
+  s_plans = PyUnicode_InternFromString("plans");
+  g_dim_name = Py_BuildValue("(O)", s_dim);
   s_leaf_nodes = PyUnicode_InternFromString("_leaf_nodes");
   s_view = PyUnicode_InternFromString("view");
   s_tuple = PyUnicode_InternFromString("tuple");
   s_ndim = PyUnicode_InternFromString("ndim");
   s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
   g_one_element = Py_BuildValue("(i)", 1);
-  return s_item && s_apply && s_device && g_one_element && s_leaf_nodes && s_view &&
+  return s_item && s_apply && s_device && s_dim && s_kind && s_plans && g_dim_name && g_one_element && s_leaf_nodes && s_view &&
          s_tuple && s_ndim && s_is_floating_point && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&
          s_write_through && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
