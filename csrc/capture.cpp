@@ -327,7 +327,8 @@ PyObject* graph_of_call(PyObject* args, PyObject* kwargs) {  // a new reference
   return checked(PyObject_CallNoArgs(g_current_graph));
 }
 
-PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+// take_apart, telling `planned` the `_Plan` it appended by (else leaving `*plan_used` NULL).
+PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** plan_used) {
   return guarded([&]() -> PyObject* {
     if (argc < 4 || argc > 5 || !PyTuple_Check(argv[1]) ||
         !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
@@ -387,14 +388,21 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
                                   params_tuple.get())};
       PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
-      if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type))
-        return append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
+      if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type)) {
+        PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
+        if (plan_used) *plan_used = Py_NewRef(plan);  // (a new reference)
+        return out;
+      }
       if (plan) return Py_NewRef(plan);  // NotImplemented, or a recipe the handler applies
     }
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
                         operands_tuple.get(), params_tuple.get(), weight_tuple.get(),
                         key_tuple.get());
   });
+}
+
+PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  return take_apart_call(argv, argc, nullptr);
 }
 
 const char kConfigureDoc[] =
@@ -710,6 +718,95 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(PyObject_CallOneArg(op, x));
 }
 
+// What a recipe (capture._Recipe) gives for a call: `recipe.apply(args)`; for the pieces of a
+// chunk / split / unbind (capture._Pieces, ~2.5k per Tree-LSTM minibatch), its method without
+// its Python frames: each piece's plan appended over the expression's node, in a list or tuple.
+PyObject* g_pieces_type = nullptr;      // capture._Pieces
+PyObject* s_kind = nullptr;             // "kind"
+PyObject* s_plans = nullptr;            // "plans"
+
+PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
+  PyObject* x = PyTuple_GET_SIZE(args) ? PyTuple_GET_ITEM(args, 0) : nullptr;
+  if (Py_TYPE(recipe) != reinterpret_cast<PyTypeObject*>(g_pieces_type) || !x ||
+      Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type))
+    return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
+  Owned kind{PyObject_GetAttr(recipe, s_kind)}, plans{PyObject_GetAttr(recipe, s_plans)};
+  if (!PyList_CheckExact(plans.get()))
+    return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
+  const Expression* e = reinterpret_cast<Expression*>(x);
+  PyObject* graph = reinterpret_cast<PyObject*>(e->graph);
+  Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
+  if (!PyDict_Check(node_dtypes.get())) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+  Owned id{PyLong_FromLongLong(e->id)};
+  Owned nodes{PyTuple_Pack(1, id.get())};
+  const Py_ssize_t n = PyList_GET_SIZE(plans.get());
+  Owned pieces{PyList_New(n)};
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Owned plan{Py_NewRef(PyList_GET_ITEM(plans.get(), i))};
+    PyList_SET_ITEM(pieces.get(), i,
+                    append_planned(graph, plan.get(), nodes.get(), node_dtypes.get()));
+  }
+  if (kind.get() == reinterpret_cast<PyObject*>(&PyList_Type)) return pieces.release();
+  return checked(PyObject_CallOneArg(kind.get(), pieces.get()));
+}
+
+// The form of a planned call (see `planned`), as the bytes of a list of ints: a key of the
+// graph's `call_plans`, which a call of the same form finds its plan in without take_apart's
+// Python tuples (~9k instructions of the ~23k of a recorded F.linear).
+constexpr i64 kListForm = -1, kTupleForm = -2, kIntForm = -3, kNodeForm = -4;
+
+struct CallForm {
+  std::string text;
+  std::vector<i64> nodes;  // the operand nodes, in take_apart's order
+  bool known = true;       // every argument of a kind spelled out here
+  bool ready = false;      // `describe` found the graph's dtype fixed
+
+  CallForm() {  // (room for a few operands without reallocating)
+    text.reserve(256);
+    nodes.reserve(8);
+  }
+
+  void add(i64 v) { text.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void add(i64 a, i64 b) { add(a); add(b); }
+  void add_int(PyObject* v) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (value == -1 && PyErr_Occurred()) throw PythonError{};
+    if (overflow) known = false;
+    add(value);
+  }
+  void add_node(i64 node) {  // -1: of another graph (take_apart raises)
+    if (node < 0) known = false;
+    add(kNodeForm);
+    nodes.push_back(node);
+  }
+
+  // Each operand node's shape id, dtype (its own, or the graph's) and whether it is a
+  // parameter node: take_apart's operands and params. A shared parameter's node is in the
+  // plan's signature, not its form: the nodes are spelled out too where they are parameters.
+  bool describe(PyObject* graph, Store* g) {
+    PyObject* fixed = checked(PyObject_GetAttr(graph, s_fixed_dtype));
+    Owned held{fixed};
+    if (fixed == Py_None) return false;  // not fixed yet: an operand's dtype may change
+    // A tensor the graph wrote into stands for a node of its own (take_apart asks Python)
+    if (truth(Owned{PyObject_GetAttr(graph, s_shadows)}.get())) return false;
+    add(reinterpret_cast<i64>(fixed));
+    Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
+    if (!PyDict_Check(node_dtypes.get())) return false;
+    const std::int32_t parameter_code = op_code(g_parameter_op);
+    for (const i64 node : nodes) {
+      Owned id{PyLong_FromLongLong(node)};
+      PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
+      if (!dtype && PyErr_Occurred()) throw PythonError{};
+      const bool parameter = g->nodes->op[node] == parameter_code;
+      add(g->nodes->shape[node], reinterpret_cast<i64>(dtype));
+      add(parameter ? node : -1);
+    }
+    ready = true;
+    return true;
+  }
+};
+
 // The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
 // chunk / split), taken by that plan without the handler's Python frames (~7k F.linear calls
 // per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the handler would pass on
@@ -729,28 +826,216 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (n == 0 || Py_TYPE(PyTuple_GET_ITEM(args, 0)) !=
                     reinterpret_cast<PyTypeObject*>(g_expression_type))
     return nullptr;
-  const Store* g = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0))->graph;
+  Store* g = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0))->graph;
+  // The call's form, as far as its plan depends on it (take_apart's key, operands and
+  // parameter flags): the handler, the graph's dtype, then per argument its kind and what
+  // the plan reads of it. Empty where an argument is of a kind it does not spell out.
+  CallForm form;
+  form.add(reinterpret_cast<i64>(PyTuple_GET_ITEM(entry, 0)));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* x = PyTuple_GET_ITEM(args, i);
     if (x == Py_None) return nullptr;
     if (PyList_CheckExact(x) || PyTuple_CheckExact(x)) {  // sizes, a shape: no operands
-      for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(x); ++k)
-        if (!PyLong_CheckExact(PySequence_Fast_GET_ITEM(x, k))) return nullptr;
+      form.add(PyList_CheckExact(x) ? kListForm : kTupleForm, PySequence_Fast_GET_SIZE(x));
+      for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(x); ++k) {
+        PyObject* v = PySequence_Fast_GET_ITEM(x, k);
+        if (!PyLong_CheckExact(v)) return nullptr;
+        form.add_int(v);
+      }
     } else if (PyObject_TypeCheck(x, &ExpressionBase)) {
       const Expression* e = reinterpret_cast<Expression*>(x);
       if (length_led(e->graph, e->id)) return nullptr;
+      form.add_node(e->graph == g ? e->id : -1);
     } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
-      if (!g->parameters->count(x)) return nullptr;
+      const auto found = g->parameters->find(x);
+      if (found == g->parameters->end()) return nullptr;
+      form.add_node(found->second);
+    } else if (PyLong_CheckExact(x)) {
+      form.add(kIntForm);
+      form.add_int(x);
+    } else {
+      form.known = false;  // a float, a string...: take_apart keys it
     }
   }
   PyObject* handler = PyTuple_GET_ITEM(entry, 0);
+  PyObject* graph = reinterpret_cast<PyObject*>(g);
+  if (form.known && form.describe(graph, g)) {
+    const auto found = g->call_plans->find(form.text);
+    if (found != g->call_plans->end()) {
+      check_open(g);  // (take_apart's check)
+      PyObject* plan = found->second;
+      if (Py_TYPE(plan) != reinterpret_cast<PyTypeObject*>(g_plan_type))
+        return apply_recipe(Owned{Py_NewRef(plan)}.get(), args);
+      Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
+      if (!PyDict_Check(node_dtypes.get()))
+        raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+      Owned nodes{PyTuple_New(static_cast<Py_ssize_t>(form.nodes.size()))};
+      for (std::size_t k = 0; k < form.nodes.size(); ++k)
+        PyTuple_SET_ITEM(nodes.get(), k, checked(PyLong_FromLongLong(form.nodes[k])));
+      return append_planned(graph, plan, nodes.get(), node_dtypes.get());
+    }
+  }
   PyObject* call[5] = {Py_None, args, Py_None, PyTuple_GET_ITEM(entry, 1), handler};
-  Owned out{take_apart(nullptr, call, 5)};
-  if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();  // a plan's node
+  PyObject* plan = nullptr;  // set (a new reference) when take_apart appended by a _Plan
+  Owned out{take_apart_call(call, 5, &plan)};
+  auto keep = [&](PyObject* found) {  // the form's plan or recipe, for the next call
+    if (form.known && form.ready && g->call_plans->emplace(form.text, found).second)
+      Py_INCREF(found);
+  };
+  if (plan) {
+    Owned held{plan};
+    keep(plan);
+    return out.release();
+  }
+  if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();
   const int recipe = PyObject_IsInstance(out.get(), g_recipe_type);
   if (recipe < 0) throw PythonError{};
-  if (recipe) return checked(PyObject_CallMethodOneArg(out.get(), s_apply, args));
-  return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+  if (!recipe) return nullptr;  // NotImplemented, or the call's parts (no plan yet)
+  keep(out.get());
+  return apply_recipe(out.get(), args);
+}
+
+// `torch.tensor([i])` of one Python int (a word's or a label's index tensor, made afresh at
+// every call of per-instance code: ~3.8k per Tree-LSTM minibatch), with no keyword but `device`
+// and `dtype=torch.int64`, made as `torch.full((1,), i, ...)`: the same tensor (int64, one
+// element, on the same device, no grad) in less than half the time, since torch.tensor's data
+// conversion (nested sequences, arrays, dtype inference) costs ~20k instructions. A call that
+// runs as it is (no tensor among its arguments); NULL (no error) for any other call.
+PyObject* g_torch_tensor = nullptr;     // torch.tensor
+PyObject* g_torch_full = nullptr;       // torch.full
+PyObject* g_int64 = nullptr;            // torch.int64
+PyObject* g_one_element = nullptr;      // (1,)
+PyObject* s_device = nullptr;           // "device"
+
+PyObject* index_tensor(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (func != g_torch_tensor || PyTuple_GET_SIZE(args) != 1) return nullptr;
+  PyObject* data = PyTuple_GET_ITEM(args, 0);
+  if (!PyList_CheckExact(data) || PyList_GET_SIZE(data) != 1) return nullptr;
+  PyObject* value = PyList_GET_ITEM(data, 0);
+  if (!PyLong_CheckExact(value)) return nullptr;  // (not a bool: a bool tensor)
+  int overflow = 0;
+  PyLong_AsLongLongAndOverflow(value, &overflow);
+  if (overflow) return nullptr;  // torch.tensor's own error
+  PyObject *name, *given;
+  Py_ssize_t pos = 0;
+  while (kwargs && PyDict_Next(kwargs, &pos, &name, &given)) {
+    const bool device = PyUnicode_Check(name) && PyUnicode_Compare(name, s_device) == 0;
+    const bool int64 = PyUnicode_Check(name) && PyUnicode_Compare(name, s_dtype) == 0 &&
+                       given == g_int64;
+    if (!device && !int64) return nullptr;
+  }
+  Owned full_args{PyTuple_Pack(2, g_one_element, value)};
+  return checked(PyObject_Call(g_torch_full, full_args.get(), kwargs));
+}
+
+// `U_f[0]`: an int part of a parameter that the current graph has taken already, its one node
+// per graph (Graph.parameter_view_node) found without the handler's Python frames (~2.5k such
+// calls per Tree-LSTM minibatch: the forget gates' weights of every node), where the handler
+// (capture._tensor_getitem) would find it: a floating leaf that requires grad, not of 2 dims
+// (a table's row is a lookup of its own). NULL (no error) for any other call.
+PyObject* g_tensor_getitem = nullptr;   // torch.Tensor.__getitem__
+PyObject* s_leaf_nodes = nullptr;       // "_leaf_nodes"
+PyObject* s_view = nullptr;             // "view"
+PyObject* s_tuple = nullptr;            // "tuple"
+PyObject* s_ndim = nullptr;             // "ndim"
+PyObject* s_is_floating_point = nullptr;  // "is_floating_point"
+
+PyObject* parameter_view(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (func != g_tensor_getitem || PyTuple_GET_SIZE(args) != 2 || PyDict_GET_SIZE(kwargs))
+    return nullptr;
+  PyObject *x = PyTuple_GET_ITEM(args, 0), *key = PyTuple_GET_ITEM(args, 1);
+  if (!PyLong_CheckExact(key) ||
+      !PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type)) ||
+      PyObject_TypeCheck(x, &ExpressionBase))
+    return nullptr;
+  PyObject* graph = nullptr;
+  if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
+  Owned held{graph};
+  if (!PyObject_TypeCheck(graph, &StoreType) || reinterpret_cast<Store*>(graph)->closed)
+    return nullptr;
+  Owned leaf_nodes{PyObject_GetAttr(graph, s_leaf_nodes)};
+  if (!PyDict_Check(leaf_nodes.get())) return nullptr;
+  Owned id{PyLong_FromVoidPtr(x)};
+  Owned key_id{PyTuple_Pack(2, s_tuple, key)};
+  Owned leaf_key{PyTuple_Pack(3, s_view, id.get(), key_id.get())};
+  PyObject* node = PyDict_GetItemWithError(leaf_nodes.get(), leaf_key.get());  // borrowed
+  if (!node) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;  // first sight: the handler makes the node
+  }
+  const i64 at = PyLong_AsLongLong(node);
+  if (at == -1 && PyErr_Occurred()) throw PythonError{};
+  if (!truth(Owned{PyObject_GetAttr(x, s_requires_grad)}.get()) ||
+      !truth(Owned{PyObject_GetAttr(x, s_is_leaf)}.get()))
+    return nullptr;
+  Owned dtype{PyObject_GetAttr(x, s_dtype)};
+  if (!truth(Owned{PyObject_GetAttr(dtype.get(), s_is_floating_point)}.get())) return nullptr;
+  const long ndim = PyLong_AsLong(Owned{PyObject_GetAttr(x, s_ndim)}.get());
+  if (ndim == -1 && PyErr_Occurred()) throw PythonError{};
+  if (ndim < 1 || ndim == 2) return nullptr;
+  return checked(new_expression(reinterpret_cast<Store*>(graph), at));
+}
+
+// torch.cat (torch.concat, torch.concatenate) of expressions of the graph's floating dtype,
+// one graph's (a Tree-LSTM node's children's states, ~1.2k per minibatch): flybatch's concat
+// along the per-instance dim, as the handler (capture._cat) maps it, without its Python
+// frames. NULL (no error) for any other call, which the handler decides (or raises for).
+PyObject* g_cat_handler = nullptr;      // capture._cat
+PyObject* g_concat = nullptr;           // ops.concat
+PyObject* s_dim = nullptr;              // "dim"
+PyObject* g_dim_name = nullptr;         // ("dim",)
+
+PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  if (n < 1 || n > 2 || PyDict_GET_SIZE(kwargs) > (n == 1 ? 1 : 0)) return nullptr;
+  PyObject* handler = PyDict_GetItemWithError(g_handlers, func);  // borrowed
+  if (!handler) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  if (handler != g_cat_handler) return nullptr;
+  PyObject* dim = n == 2 ? PyTuple_GET_ITEM(args, 1) : nullptr;
+  if (PyDict_GET_SIZE(kwargs)) {
+    dim = PyDict_GetItemWithError(kwargs, s_dim);  // borrowed
+    if (!dim) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return nullptr;  // another keyword: the handler declines it
+    }
+  }
+  long long d = 0;
+  if (dim) {
+    if (!PyLong_CheckExact(dim)) return nullptr;
+    int overflow = 0;
+    d = PyLong_AsLongLongAndOverflow(dim, &overflow);
+    if (overflow || (d == -1 && PyErr_Occurred())) return nullptr;
+  }
+  PyObject* tensors = PyTuple_GET_ITEM(args, 0);
+  if (!(PyList_CheckExact(tensors) || PyTuple_CheckExact(tensors)) ||
+      PySequence_Fast_GET_SIZE(tensors) == 0)
+    return nullptr;
+  PyObject* first = PySequence_Fast_GET_ITEM(tensors, 0);
+  if (Py_TYPE(first) != reinterpret_cast<PyTypeObject*>(g_expression_type)) return nullptr;
+  Store* g = reinterpret_cast<Expression*>(first)->graph;
+  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(g), s_node_dtypes)};
+  if (!PyDict_Check(node_dtypes.get())) return nullptr;
+  Owned list{PyList_New(PySequence_Fast_GET_SIZE(tensors))};
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(tensors); ++i) {
+    PyObject* x = PySequence_Fast_GET_ITEM(tensors, i);
+    if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type) ||
+        reinterpret_cast<Expression*>(x)->graph != g)
+      return nullptr;
+    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(x)->id)};
+    const int own_dtype = PyDict_Contains(node_dtypes.get(), id.get());
+    if (own_dtype < 0) throw PythonError{};
+    if (own_dtype) return nullptr;  // not of the graph's floating dtype
+    PyList_SET_ITEM(list.get(), i, Py_NewRef(x));
+  }
+  const i64 node = reinterpret_cast<Expression*>(first)->id;
+  const long long ndim = PyTuple_GET_SIZE((*g->shape_tuples)[g->nodes->shape[node]]);
+  if (ndim == 0 || d < -ndim || d >= ndim) return nullptr;  // generic / torch's error
+  Owned per_instance{PyLong_FromLongLong(((d % ndim) + ndim) % ndim)};
+  PyObject* call[2] = {list.get(), per_instance.get()};
+  return checked(PyObject_Vectorcall(g_concat, call, 1, g_dim_name));
 }
 
 PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
@@ -781,7 +1066,11 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
   if (!out_arg && PyErr_Occurred()) throw PythonError{};
   const bool written_out = out_arg && out_arg != Py_None;
   if (PyObject* out = written_out ? nullptr : fb_unary(func, args, kwargs.get())) return out;
+  if (PyObject* out = written_out ? nullptr : parameter_view(func, args, kwargs.get()))
+    return out;
   if (PyObject* out = written_out ? nullptr : planned(func, args, kwargs.get())) return out;
+  if (PyObject* out = written_out ? nullptr : concat_of_expressions(func, args, kwargs.get()))
+    return out;
   PyObject* handler = written_out ? nullptr : PyDict_GetItemWithError(g_handlers, func);
   if (!handler && PyErr_Occurred()) throw PythonError{};
   if (handler) {
@@ -838,6 +1127,7 @@ PyObject* torch_function(PyObject*, PyObject* const* argv, Py_ssize_t argc, PyOb
     PyObject* kwargs = given[3] && given[3] != Py_None ? given[3] : nullptr;
     if (kwargs && !PyDict_Check(kwargs)) raise(PyExc_TypeError, "kwargs must be a dict");
     if (kwargs && !PyDict_GET_SIZE(kwargs)) kwargs = nullptr;
+    if (PyObject* made = index_tensor(func, args.get(), kwargs)) return made;
     {
       // Deciding and recording are flybatch's part of the build; a call that runs as it is
       // (the user's own eager torch work) is not. Torch's dispatch to the mode, before this
@@ -912,6 +1202,24 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_refuse_inplace, Py_NewRef(refuse_inplace));
   Py_XSETREF(g_refuse_autocast, Py_NewRef(refuse_autocast));
   Py_XSETREF(g_unhandled, Py_NewRef(unhandled));
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (!torch) return nullptr;
+  Py_XSETREF(g_torch_tensor, PyObject_GetAttrString(torch, "tensor"));
+  Py_XSETREF(g_torch_full, PyObject_GetAttrString(torch, "full"));
+  Py_XSETREF(g_int64, PyObject_GetAttrString(torch, "int64"));
+  Py_XSETREF(g_tensor_getitem, PyObject_GetAttrString(g_tensor_type, "__getitem__"));
+  Py_DECREF(torch);
+  if (!g_torch_tensor || !g_torch_full || !g_int64 || !g_tensor_getitem) return nullptr;
+  PyObject* capture = PyImport_ImportModule("flybatch.capture");  // (being imported: its _cat)
+  PyObject* fb_ops = capture ? PyImport_ImportModule("flybatch.ops") : nullptr;
+  if (fb_ops) {
+    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(capture, "_cat"));
+    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(capture, "_Pieces"));
+    Py_XSETREF(g_concat, PyObject_GetAttrString(fb_ops, "concat"));
+  }
+  Py_XDECREF(capture);
+  Py_XDECREF(fb_ops);
+  if (!g_cat_handler || !g_concat || !g_pieces_type) return nullptr;
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
   PyObject* method =
       PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
@@ -982,7 +1290,19 @@ bool register_capture(PyObject* module) {
   s_out = PyUnicode_InternFromString("out");
   s_inplace = PyUnicode_InternFromString("inplace");
   s_apply = PyUnicode_InternFromString("apply");
-  return s_item && s_apply && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+  s_device = PyUnicode_InternFromString("device");
+  s_dim = PyUnicode_InternFromString("dim");
+  s_kind = PyUnicode_InternFromString("kind");
+  s_plans = PyUnicode_InternFromString("plans");
+  g_dim_name = Py_BuildValue("(O)", s_dim);
+  s_leaf_nodes = PyUnicode_InternFromString("_leaf_nodes");
+  s_view = PyUnicode_InternFromString("view");
+  s_tuple = PyUnicode_InternFromString("tuple");
+  s_ndim = PyUnicode_InternFromString("ndim");
+  s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
+  g_one_element = Py_BuildValue("(i)", 1);
+  return s_item && s_apply && s_device && s_dim && s_kind && s_plans && g_dim_name && g_one_element && s_leaf_nodes && s_view &&
+         s_tuple && s_ndim && s_is_floating_point && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&
          s_write_through && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&

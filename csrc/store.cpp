@@ -359,6 +359,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->parameters = new std::unordered_map<PyObject*, i64>();
     s->table_shapes = new std::unordered_map<PyObject*, std::pair<i64, i64>>();
     for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
+    s->call_plans = new std::unordered_map<std::string, PyObject*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -391,6 +392,11 @@ void clear_caches(Store* s) {
     std::unordered_map<PyObject*, PyObject*> tags;
     tags.swap(*s->table_tags);
     for (auto& [table, tag] : tags) Py_DECREF(tag);
+  }
+  if (s->call_plans) {
+    std::unordered_map<std::string, PyObject*> plans;
+    plans.swap(*s->call_plans);
+    for (auto& [form, plan] : plans) Py_DECREF(plan);
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
@@ -440,6 +446,7 @@ void store_dealloc(PyObject* self) {
   delete s->parameters;
   delete s->table_shapes;
   for (auto* attrs : s->lookup_attrs) delete attrs;
+  delete s->call_plans;
   Py_TYPE(self)->tp_free(self);
 }
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -222,6 +223,9 @@ struct Store {
   // the tensor again while a torch function mode is on (see torch_function_mode_enabled).
   std::unordered_map<PyObject*, std::pair<i64, i64>>* table_shapes;
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
+  // capture.cpp: the plan (a capture._Plan) of a planned torch call by the call's form in this
+  // graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
+  std::unordered_map<std::string, PyObject*>* call_plans;
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
 };

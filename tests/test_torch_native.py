@@ -851,6 +851,11 @@ PROBES = {
     "outer": lambda x: torch.outer(x[0], x[1]),
     "dot": lambda x: torch.dot(x[0], x[1]),
     "cat(dim=-1)": lambda x: torch.cat([x, x], dim=-1),
+    "cat of a tuple, dim by position": lambda x: torch.cat((x, x * 2, x), 1),
+    "cat along the first dim": lambda x: torch.cat([x, x.tanh()]) + torch.cat([x, x], dim=-2),
+    "concat and concatenate": lambda x: torch.concat([x, x], -1) + torch.concatenate([x, x], 1),
+    "cat of an expression and a tensor": lambda x: torch.cat([x, torch.ones(2, 1)], 1),
+    "cat of a float64 and a float32 expression": lambda x: torch.cat([x.float(), x], 0),
     "stack(dim=-1)": lambda x: torch.stack([x, x], dim=-1),
     "zeros_like and new_zeros": lambda x: x + torch.zeros_like(x) + x.new_zeros(2, 3),
     "cosine_similarity": lambda x: F.cosine_similarity(x[0], x[1], dim=0),
@@ -1476,6 +1481,78 @@ def test_fresh_one_element_indices_and_targets_keep_their_own_values_and_dtypes(
             pytest.approx([F.cross_entropy(scores, torch.tensor(y)).item() for y in (0, 2)])
         assert sorted(str(g.dtype_of(n)) for n in range(g.n_nodes)
                       if g.op_of(n) is INDEX_INPUT) == ["torch.int32"] + ["torch.int64"] * 4
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([3]), lambda: torch.tensor([-7], device="cpu"),
+    lambda: torch.tensor([2**62], dtype=torch.int64), lambda: torch.tensor([5], dtype=torch.int32),
+    lambda: torch.tensor([True]), lambda: torch.tensor([3], dtype=torch.float64),
+    lambda: torch.tensor([3, 4]), lambda: torch.tensor([3], requires_grad=False)],
+    ids=["int", "device", "int64", "int32", "bool", "float", "two", "requires_grad"])
+def test_a_one_element_tensor_made_in_a_graph_block_is_the_tensor_made_eagerly(make):
+    """`torch.tensor([i])` inside a graph block (made there by a shorter path) has the value,
+    dtype, shape, device and flags it has eagerly, and is a tensor of its own each time."""
+    want = make()
+    with fb.Graph():
+        got, again = make(), make()
+    assert type(got) is torch.Tensor and got is not again
+    assert (got.dtype, got.shape, got.device, got.requires_grad, got.is_leaf, got.tolist()) == \
+        (want.dtype, want.shape, want.device, want.requires_grad, want.is_leaf, want.tolist())
+    assert got.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
+
+
+def test_a_one_element_tensor_of_an_int_too_large_raises_as_eagerly():
+    with pytest.raises(Exception) as eager:
+        torch.tensor([2**64])
+    with fb.Graph(), pytest.raises(type(eager.value), match=re.escape(str(eager.value))):
+        torch.tensor([2**64])
+
+
+class _RepeatedForms(nn.Module):
+    """Calls repeated in one graph block with the same form and with forms differing in one
+    thing each: the weight (two of one shape, parts of a stacked one), an int constant, a
+    shape, an operand's dtype. Each call must get its own form's plan."""
+
+    def __init__(self):
+        super().__init__()
+        self.U = nn.Parameter(torch.randn(2, 4, 4))  # stacked: U[0], U[1] are parameter parts
+        self.A, self.B = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+        self.b = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        total = x.new_zeros(())
+        for k in range(3):
+            h = torch.tanh(F.linear(x, self.U[k % 2]))  # parts of U, again and again
+            a, b_ = F.linear(h, self.A, self.b).chunk(2, -1)  # same form, twice...
+            c, d = F.linear(h, self.B, self.b).chunk(3 - k % 2, 0)[:2]  # ...another weight, int
+            rows = F.linear(h, self.A).view(2, 3) if k else F.linear(h, self.A).view(3, 2)
+            wide = h.float().view(2, 2).double()  # a view of an operand of its own dtype
+            total = total + (a * b_).sum() + (c * d).sum() + rows.sum(0).pow(2).sum() \
+                + wide.sum()
+        return total
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_calls_repeated_with_one_form_or_forms_differing_in_one_thing_train_as_eagerly(strategy):
+    """The graph keeps the plan of each form of a planned call (F.linear, chunk, view) and of
+    each part of a parameter (`U[0]`) it met: repeated calls, and calls differing in a weight,
+    an int, a shape or an operand's dtype, give eager values and gradients."""
+    model = seeded(_RepeatedForms())
+    check(model, model, draw(1, *[(4,)] * 5), strategy)
+
+
+def test_a_parameter_part_read_again_after_requires_grad_is_switched_off_runs_eagerly():
+    """`U[0]` is one node per graph while U requires grad; once U's requires_grad is switched
+    off in the block, `U[0]` is the plain tensor eager torch gives."""
+    U = nn.Parameter(torch.randn(2, 3, 3))
+    with fb.Graph():
+        first, again = U[0], U[0]
+        assert isinstance(first, fb.Expression) and again.id == first.id
+        U.requires_grad_(False)
+        plain = U[0]
+        U.requires_grad_(True)
+    assert type(plain) is torch.Tensor
+    torch.testing.assert_close(plain, U.detach()[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
