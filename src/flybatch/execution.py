@@ -342,11 +342,11 @@ def _rows_of_small_results(graph: "Graph", parts: tuple, reads: list[Read], indi
     """The rows of a multi read, in the nodes' order, as one cat of its parts' results and one
     index_select of the rows indices[whole:whole+rows]; None when a part is a piece of a
     fan-out or the results are too large to copy whole."""
-    if any(p in pieces for p in parts):
+    if pieces and not pieces.keys().isdisjoint(parts):
         return None
     values = graph.values
-    results = [values[reads[p][1]] for p in parts]
-    if sum(r.numel() for r in results) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
+    results = [values[reads[p][1]] for p in parts]  # (map, not generators: ~60 parts a read)
+    if sum(map(torch.Tensor.numel, results)) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
         return None
     whole_results = torch.cat(results)
     return whole_results.index_select(0, indices.rows(whole, rows, whole_results))
