@@ -59,8 +59,9 @@ Read = tuple
 
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
+    # (graph, first_batch, order, ends) by position: keywords cost the call ~1 us to parse
     reads, batch_reads, fan_outs, index_bytes = _core.plan_reads(
-        graph=graph, first_batch=plan.first_batch, order=plan.order, ends=plan.ends)
+        graph, plan.first_batch, plan.order, plan.ends)
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
     projected: dict[int, tuple] = {}
@@ -355,7 +356,7 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     if not specs:
         return
     sinks = list({id(spec[0]): spec[0] for spec in specs}.values())
-    outputs = _SinkReads.apply(specs, sinks, *[sink.token for sink in sinks])
+    outputs = _apply(_SinkReads, specs, sinks, *[sink.token for sink in sinks])
     for output, (read_ids, split) in zip(outputs, served):
         if split is None:
             for k in read_ids:
@@ -369,20 +370,26 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
 def _resolve(graph: "Graph", k: int, reads: list[Read], indices: _Indices,
              pieces: dict[int, torch.Tensor], width: int = -1) -> torch.Tensor:
     """The tensor of read `k`; with a `width` >= 0, its rows narrowed or padded to it."""
-    piece = pieces.pop(k, None)
-    if piece is not None:
-        return _fit(piece, width)
-    read = reads[k]
-    kind = read[0]
-    if kind == "view":
-        _, source, start, length = read
-        graph.gathers_avoided += 1
-        return _fit(_rows(graph.values[source], start, length), width)
-    if kind == "rows":
-        _, source, at, length = read
-        graph.gathers += 1
-        tensor = graph.values[source]
-        return _fit(tensor.index_select(0, indices.rows(at, length, tensor)), width)
+    piece = pieces.pop(k, None) if pieces else None
+    if piece is None:
+        read = reads[k]
+        kind = read[0]
+        if kind == "view":  # (the common case first: a parameter, a run of one result)
+            graph.gathers_avoided += 1
+            piece = _rows(graph.values[read[1]], read[2], read[3])
+        elif kind == "rows":
+            _, source, at, length = read
+            graph.gathers += 1
+            tensor = graph.values[source]
+            piece = tensor.index_select(0, indices.rows(at, length, tensor))
+        else:
+            return _resolve_multi(graph, read, reads, indices, pieces, width)
+    return piece if width < 0 else _fit(piece, width)
+
+
+def _resolve_multi(graph: "Graph", read: Read, reads: list[Read], indices: _Indices,
+                   pieces: dict[int, torch.Tensor], width: int) -> torch.Tensor:
+    """The tensor of a multi read: its parts concatenated, in the nodes' order."""
     _, parts, inverse, rows, whole = read
     graph.gathers += 1
     if whole is not None and width < 0:
@@ -416,11 +423,11 @@ def _rows_of_small_results(graph: "Graph", parts: tuple, reads: list[Read], indi
     """The rows of a multi read, in the nodes' order, as one cat of its parts' results and one
     index_select of the rows indices[whole:whole+rows]; None when a part is a piece of a
     fan-out or the results are too large to copy whole."""
-    if any(p in pieces for p in parts):
+    if pieces and not pieces.keys().isdisjoint(parts):
         return None
     values = graph.values
-    results = [values[reads[p][1]] for p in parts]
-    if sum(r.numel() for r in results) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
+    results = [values[reads[p][1]] for p in parts]  # (map, not generators: ~60 parts a read)
+    if sum(map(torch.Tensor.numel, results)) > WHOLE_RESULTS_MAX_ELEMENTS_PER_PART * len(parts):
         return None
     whole_results = torch.cat(results)
     return whole_results.index_select(0, indices.rows(whole, rows, whole_results))
@@ -491,6 +498,19 @@ class _Collect(torch.autograd.Function):
         return ctx.sink.take(), None
 
 
+# `Function.apply` less its Python layers (capture.py's check of every argument for an
+# expression, then torch's default-argument and functorch checks): the C apply itself, which
+# is what those layers call for a Function without `setup_context` when no functorch transform
+# is active. A sink read is one apply per forward; the layers cost a fifth of it.
+_c_apply = torch._C._FunctionBase.__dict__["apply"]
+
+
+def _apply(function: type, *args: object) -> object:
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _c_apply.__get__(None, function)(*args)
+
+
 class _SinkReads(torch.autograd.Function):
     """Reads of results of earlier forwards, one output per (sink, rows or None, start,
     length): the rows `rows` of the sink's result, or its run start..start+length. Its inputs
@@ -512,10 +532,10 @@ class _SinkReads(torch.autograd.Function):
 
 
 def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows of a result with their leading dim `width` (-1: as they are): narrowed when the
-    result is stored padded wider, padded with zeros when a padded op reads it with longer
-    ones. Autograd takes the gradient of the real part only."""
-    if width < 0 or rows.shape[1] == width:
+    """Rows of a result with their leading dim `width`: narrowed when the result is stored
+    padded wider, padded with zeros when a padded op reads it with longer ones. Autograd
+    takes the gradient of the real part only."""
+    if rows.shape[1] == width:
         return rows
     if rows.shape[1] > width:
         return rows.narrow(1, 0, width)
