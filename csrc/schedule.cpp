@@ -231,7 +231,12 @@ __attribute__((optimize("O3"))) std::vector<std::int32_t> dense_ranks_of(
       if (!flags[s].leaf) column[s] = static_cast<std::int32_t>(columns++);
   }
   const std::size_t width = (columns + kChunk - 1) / kChunk * kChunk;
-  std::vector<std::int32_t> count(static_cast<std::size_t>(nodes.n) * width, 0), rank(nodes.n);
+  std::vector<std::int32_t> rank(nodes.n);
+  if (width == 0) {  // no signature can rank above 1: no table (and no row of an empty one)
+    for (Local v = 0; v < nodes.n; ++v) rank[v] = !flags[sigs.of[v]].leaf;
+    return rank;
+  }
+  std::vector<std::int32_t> count(static_cast<std::size_t>(nodes.n) * width, 0);
   for (Local v = 0; v < nodes.n; ++v) {
     std::int32_t* __restrict row = &count[v * width];
     for_each_input(nodes, v, [&](Local u) {
