@@ -307,7 +307,7 @@ def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
         return _inplace(func, name, args, kwargs)
     if kwargs.get("out") is not None:
         return _written_out(func, args, kwargs)
-    if _holds_argmax(args) or _holds_argmax(kwargs.values()):  # `torch.gather(x, 0, i)`
+    if _holds_argmax(args) or kwargs and _holds_argmax(kwargs.values()):  # `gather(x, 0, i)`
         args, kwargs = _argmax_tensors((args, kwargs))
     return _generic(func, args, kwargs)
 
@@ -2554,9 +2554,12 @@ class ArgmaxIndex(int):
 
 
 def _holds_argmax(xs: Any) -> bool:
-    """Whether a call's arguments hold an ArgmaxIndex (a cheap test: mapping them is not)."""
-    return any(type(x) is ArgmaxIndex or type(x) in (list, tuple) and _holds_argmax(x)
-               for x in xs)
+    """Whether a call's arguments hold an ArgmaxIndex (a cheap test, a loop and no generator,
+    run for every generic call; mapping the arguments is not cheap)."""
+    for x in xs:
+        if type(x) is ArgmaxIndex or type(x) in (list, tuple) and _holds_argmax(x):
+            return True
+    return False
 
 
 def _argmax_tensors(tree: Any) -> Any:
