@@ -307,6 +307,8 @@ def _unhandled(func: Callable, args: tuple, kwargs: dict) -> Any:
         return _inplace(func, name, args, kwargs)
     if kwargs.get("out") is not None:
         return _written_out(func, args, kwargs)
+    if _holds_argmax(args) or kwargs and _holds_argmax(kwargs.values()):  # `gather(x, 0, i)`
+        args, kwargs = _argmax_tensors((args, kwargs))
     return _generic(func, args, kwargs)
 
 
@@ -1321,6 +1323,8 @@ def _tensor_getitem(x, key):
     embedding call, whatever the rows); an expression goes to `getitem`."""
     if isinstance(x, Expression):
         return x[key]
+    if type(key) is ArgmaxIndex:  # `E[out.argmax()]`: the int it holds, as a 0-d index is
+        key = int(key)
     if type(key) is int:  # the commonest part (`U_f[0]`, `E[w]`): no tensor in the key
         keys = (key,)
     else:
@@ -1626,6 +1630,8 @@ def _embedding(input, weight, *args, **kwargs):
     if options.get("scale_grad_by_freq"):
         raise ValueError("F.embedding(scale_grad_by_freq=True) on flybatch: it scales gradients "
                          "by counts in ONE call, and batching decides which lookups share a call")
+    if type(input) is ArgmaxIndex:  # `emb(out.argmax())`: the row it holds, as eagerly
+        input = input.tensor
     g = _graph_of((input,), {})
     # A constant one-element index (`torch.tensor([word])`) into a parameter: a row lookup,
     # the row kept by the node, with no index input. Under no_grad (a lookup node has no
@@ -2511,9 +2517,26 @@ _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__
 
 
 class ArgmaxIndex(int):
-    """What `x.argmax()` with no argument returns: a Python int, as flybatch code uses it (a
-    list index, a dict key), that also answers the calls torch code makes on the 0-d tensor
-    torch returns (`x.argmax().item()`)."""
+    """What `x.argmax()` with no argument returns: the index of the largest element, asked for
+    at once (a value request, as flybatch always had it). It is a Python int, as flybatch code
+    uses it (a list index, a dict key, `fb.lookup(E, i)`), and it is also the 0-d int64 tensor
+    torch returns, as a greedy decoder written for one instance feeds it back: to torch functions
+    (`emb(i)`, `F.one_hot(i, n)`), to Tensor methods (`i.view(1, -1)`, `i.item()`), and in
+    comparisons, which give torch bools (`if i == eos:`). An argmax has no gradient, so the
+    constant tensor is exactly what eager torch computes."""
+
+    def __new__(cls, index: torch.Tensor) -> "ArgmaxIndex":
+        self = super().__new__(cls, int(index))
+        self.tensor = index
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        """The Tensor methods and properties int lacks (`view`, `shape`...); not the protocols
+        (`copy.deepcopy` copies the index, a dict key stays one), nor `tensor` itself while an
+        unpickled copy has none yet."""
+        if name.startswith("__") or name == "tensor":
+            raise AttributeError(name)
+        return getattr(self.tensor, name)
 
     def item(self) -> int:
         return int(self)
@@ -2521,10 +2544,43 @@ class ArgmaxIndex(int):
     def tolist(self) -> int:
         return int(self)
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """A torch call outside capture (an eager one, or one capture runs as it is)."""
+        args, kwargs = _argmax_tensors((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    __hash__ = int.__hash__  # (a dict key as the int; defining __eq__ would drop it)
+
+
+def _holds_argmax(xs: Any) -> bool:
+    """Whether a call's arguments hold an ArgmaxIndex (a cheap test, a loop and no generator,
+    run for every generic call; mapping the arguments is not cheap)."""
+    for x in xs:
+        if type(x) is ArgmaxIndex or type(x) in (list, tuple) and _holds_argmax(x):
+            return True
+    return False
+
+
+def _argmax_tensors(tree: Any) -> Any:
+    """`tree` with each ArgmaxIndex in it replaced by its tensor (where a call takes tensors)."""
+    return pytree.tree_map_only(ArgmaxIndex, lambda i: i.tensor, tree)
+
+
+def _tensor_comparison(name: str) -> Callable:
+    def compare(self, other):
+        return getattr(self.tensor, name)(other)
+    compare.__name__ = name
+    return compare
+
+
+for _name_ in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
+    setattr(ArgmaxIndex, _name_, _tensor_comparison(_name_))
+
 
 def _argmax(self, dim=None, keepdim=False):
-    """With no argument, the index of the largest element as a Python int (a value request, as
-    flybatch always had it); with `dim`, torch's argmax as a node."""
+    """With no argument, the index of the largest element as an `ArgmaxIndex` (a value
+    request, as flybatch always had it); with `dim`, torch's argmax as a node."""
     if dim is None and not keepdim:
         return ArgmaxIndex(self.value().detach().argmax())
     return torch_call(T.argmax, (self, dim, keepdim), {})
