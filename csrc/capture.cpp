@@ -96,9 +96,9 @@ PyObject* graph_dtype(PyObject* graph) {
 // afresh at every call): its node, an INDEX_INPUT holding the int the tensor holds now, as
 // Graph.input_node makes it, without input_node's Python (~2 us per target). Read only while
 // no torch function mode is on (a call is recorded with the capture mode off torch's stack),
-// so that reading the tensor dispatches to nothing. -1 where it does not apply.
-// What such a tensor holds, read without making its node (the planned path makes it only
-// where the call's plan is known): its shape (all ones), dtype and value.
+// so that reading the tensor dispatches to nothing (index_input; -1 where it does not apply).
+// `index_value` reads what such a tensor holds (its shape, all ones, its dtype and value)
+// without making its node, which the planned path makes only where the call's plan is known.
 struct IndexValue {
   PyObject* shape = nullptr;  // owned, as are dtype and value once set
   PyObject* dtype = nullptr;
