@@ -96,35 +96,66 @@ PyObject* graph_dtype(PyObject* graph) {
 // afresh at every call): its node, an INDEX_INPUT holding the int the tensor holds now, as
 // Graph.input_node makes it, without input_node's Python (~2 us per target). Read only while
 // no torch function mode is on (a call is recorded with the capture mode off torch's stack),
-// so that reading the tensor dispatches to nothing. -1 where it does not apply.
-i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
+// so that reading the tensor dispatches to nothing (index_input; -1 where it does not apply).
+// `index_value` reads what such a tensor holds (its shape, all ones, its dtype and value)
+// without making its node, which the planned path makes only where the call's plan is known.
+struct IndexValue {
+  PyObject* shape = nullptr;  // owned, as are dtype and value once set
+  PyObject* dtype = nullptr;
+  PyObject* value = nullptr;
+  IndexValue() = default;
+  IndexValue(IndexValue&& o) noexcept
+      : shape(std::exchange(o.shape, nullptr)), dtype(std::exchange(o.dtype, nullptr)),
+        value(std::exchange(o.value, nullptr)) {}
+  IndexValue(const IndexValue&) = delete;
+  ~IndexValue() {
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(value);
+  }
+};
+
+bool index_value(PyObject* x, IndexValue& out) {  // false: not an index input
   if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_tensor_type) ||
       torch_function_mode_enabled())
-    return -1;
+    return false;
   Owned dtype{PyObject_GetAttr(x, s_dtype)};
   const int index = PySet_Contains(g_index_dtypes, dtype.get());
   if (index < 0) throw PythonError{};
-  if (!index || Owned{PyObject_GetAttr(x, s_is_cpu)}.get() != Py_True) return -1;
+  if (!index || Owned{PyObject_GetAttr(x, s_is_cpu)}.get() != Py_True) return false;
   Owned size{PyObject_GetAttr(x, s_shape_attr)};
   Owned shape{PySequence_Tuple(size.get())};
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape.get()); ++i)
     if (PyLong_AsLongLong(PyTuple_GET_ITEM(shape.get(), i)) != 1) {
       if (PyErr_Occurred()) throw PythonError{};
-      return -1;  // not one element
+      return false;  // not one element
     }
   // (`x.item()`: an int for these dtypes, in a third of the time of int(x))
   Owned item{PyObject_CallMethodNoArgs(x, s_item)};
-  Owned value{PyNumber_Long(item.get())};
-  Owned key{PyTuple_Pack(3, s_index_input, shape.get(), dtype.get())};
-  PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, shape.get(), key.get(), Py_None,
-                           value.get()};
+  out.value = checked(PyNumber_Long(item.get()));
+  out.shape = shape.release();
+  out.dtype = dtype.release();
+  return true;
+}
+
+i64 add_index_input(PyObject* graph, PyObject* node_dtypes, const IndexValue& v) {
+  Owned key{PyTuple_Pack(3, s_index_input, v.shape, v.dtype)};
+  PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, v.shape, key.get(), Py_None,
+                           v.value};
   Owned out{
       PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
   const i64 node = reinterpret_cast<Expression*>(out.get())->id;
   Owned id{PyLong_FromLongLong(node)};
-  if (PyDict_SetItem(node_dtypes, id.get(), dtype.get()) < 0) throw PythonError{};
+  if (PyDict_SetItem(node_dtypes, id.get(), v.dtype) < 0) throw PythonError{};
   return node;
 }
+
+i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
+  IndexValue v;
+  return index_value(x, v) ? add_index_input(graph, node_dtypes, v) : -1;
+}
+
+constexpr i64 kDeferredNode = -2;  // an index input whose node is not made yet
 
 // One pass over one call.
 struct TakeApart {
@@ -138,6 +169,9 @@ struct TakeApart {
   PyObject* weight;
   PyObject* key;
   std::int32_t parameter_code;
+  // Where set (the planned path), index inputs are read but their nodes not made: each is
+  // (its position among the operands, what it holds), its node made once the plan is known.
+  std::vector<std::pair<Py_ssize_t, IndexValue>>* deferred = nullptr;
 
   i64 tensor_node(PyObject* x) {
     if (shadows) {
@@ -152,6 +186,12 @@ struct TakeApart {
         if (v == -1 && PyErr_Occurred()) throw PythonError{};
         return v;
       }
+    }
+    if (deferred) {
+      IndexValue v;
+      if (!index_value(x, v)) return operand_node(g, x);
+      deferred->emplace_back(PyList_GET_SIZE(nodes), std::move(v));
+      return kDeferredNode;
     }
     const i64 index = index_input(graph, node_dtypes, x);
     return index >= 0 ? index : operand_node(g, x);
@@ -175,9 +215,17 @@ struct TakeApart {
   void describe_operands() {
     Owned dtype{graph_dtype(graph)};
     const Py_ssize_t n = PyList_GET_SIZE(nodes);
+    std::size_t next_deferred = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* id = PyList_GET_ITEM(nodes, i);
       const i64 node = PyLong_AsLongLong(id);
+      if (node == kDeferredNode) {
+        const IndexValue& v = (*deferred)[next_deferred++].second;
+        Owned operand{PyTuple_Pack(2, v.shape, v.dtype)};
+        append(operands, operand.get());
+        append(params, Py_False);
+        continue;
+      }
       PyObject* node_dtype = PyDict_GetItemWithError(node_dtypes, id);  // borrowed
       if (!node_dtype && PyErr_Occurred()) throw PythonError{};
       PyObject* shape = (*g->shape_tuples)[g->nodes->shape[node]];
@@ -328,7 +376,10 @@ PyObject* graph_of_call(PyObject* args, PyObject* kwargs) {  // a new reference
 }
 
 // take_apart, telling `planned` the `_Plan` it appended by (else leaving `*plan_used` NULL).
-PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** plan_used) {
+// With `defer`, the index inputs' nodes are made only where a `_Plan` appends the call's node:
+// a call without one gives Ellipsis, having made no node (its handler takes it apart again).
+PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** plan_used,
+                          bool defer = false) {
   return guarded([&]() -> PyObject* {
     if (argc < 4 || argc > 5 || !PyTuple_Check(argv[1]) ||
         !(argv[2] == Py_None || PyDict_Check(argv[2])) || !PyTuple_Check(argv[3]))
@@ -358,6 +409,8 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
     t.weight = weight.get();
     t.key = key.get();
     t.parameter_code = op_code(g_parameter_op);
+    std::vector<std::pair<Py_ssize_t, IndexValue>> deferred;
+    if (defer) t.deferred = &deferred;
 
     PyObject* args = argv[1];
     const Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -381,20 +434,30 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
     }
     t.describe_operands();
     Owned key_tuple{PyList_AsTuple(key.get())};
-    Owned nodes_tuple{PyList_AsTuple(nodes.get())}, operands_tuple{PyList_AsTuple(operands.get())},
+    Owned operands_tuple{PyList_AsTuple(operands.get())},
         params_tuple{PyList_AsTuple(params.get())}, weight_tuple{PyList_AsTuple(weight.get())};
+    auto make_deferred = [&] {  // their nodes, in the operands' order
+      for (const auto& [at, v] : deferred) {
+        Owned id{PyLong_FromLongLong(add_index_input(graph.get(), node_dtypes.get(), v))};
+        if (PyList_SetItem(nodes.get(), at, id.release()) < 0) throw PythonError{};
+      }
+    };
     if (argc == 5 && argv[4] != Py_None) {  // a handler's call: its plan, if it has one
       Owned plan_key{PyTuple_Pack(4, argv[4], key_tuple.get(), operands_tuple.get(),
                                   params_tuple.get())};
       PyObject* plan = PyDict_GetItemWithError(g_plans, plan_key.get());  // borrowed
       if (!plan && PyErr_Occurred()) throw PythonError{};
       if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type)) {
+        make_deferred();
+        Owned nodes_tuple{PyList_AsTuple(nodes.get())};
         PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
         if (plan_used) *plan_used = Py_NewRef(plan);  // (a new reference)
         return out;
       }
       if (plan) return Py_NewRef(plan);  // NotImplemented, or a recipe the handler applies
     }
+    if (!deferred.empty()) return Py_NewRef(Py_Ellipsis);
+    Owned nodes_tuple{PyList_AsTuple(nodes.get())};
     return PyTuple_Pack(7, args_template.get(), kwargs_template.get(), nodes_tuple.get(),
                         operands_tuple.get(), params_tuple.get(), weight_tuple.get(),
                         key_tuple.get());
@@ -753,7 +816,9 @@ PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
 // The form of a planned call (see `planned`), as the bytes of a list of ints: a key of the
 // graph's `call_plans`, which a call of the same form finds its plan in without take_apart's
 // Python tuples (~9k instructions of the ~23k of a recorded F.linear).
-constexpr i64 kListForm = -1, kTupleForm = -2, kIntForm = -3, kNodeForm = -4;
+constexpr i64 kListForm = -1, kTupleForm = -2, kIntForm = -3, kNodeForm = -4,
+              kIndexForm = -5, kNameForm = -6, kNoneForm = -7, kBoolForm = -8, kFloatForm = -9,
+              kTextForm = -10;
 
 struct CallForm {
   std::string text;
@@ -780,6 +845,34 @@ struct CallForm {
     add(kNodeForm);
     nodes.push_back(node);
   }
+  void add_text(i64 kind, PyObject* text) {  // a keyword's name, a str constant
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(text, &size);
+    if (!utf8) throw PythonError{};
+    add(kind, size);
+    this->text.append(utf8, static_cast<std::size_t>(size));
+  }
+  // A keyword's value: false where it is of a kind not spelled out (the handler decides).
+  bool add_constant(PyObject* v) {
+    if (v == Py_None) {
+      add(kNoneForm);
+    } else if (PyBool_Check(v)) {
+      add(kBoolForm, v == Py_True);
+    } else if (PyLong_CheckExact(v)) {
+      add(kIntForm);
+      add_int(v);
+    } else if (PyFloat_CheckExact(v)) {  // by its bits: as exact as take_apart's repr
+      const double d = PyFloat_AS_DOUBLE(v);
+      i64 bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      add(kFloatForm, bits);
+    } else if (PyUnicode_CheckExact(v)) {
+      add_text(kTextForm, v);
+    } else {
+      return false;
+    }
+    return true;
+  }
 
   // Each operand node's shape id, dtype (its own, or the graph's) and whether it is a
   // parameter node: take_apart's operands and params. A shared parameter's node is in the
@@ -795,6 +888,7 @@ struct CallForm {
     if (!PyDict_Check(node_dtypes.get())) return false;
     const std::int32_t parameter_code = op_code(g_parameter_op);
     for (const i64 node : nodes) {
+      if (node == kDeferredNode) continue;  // (its shape and dtype are in the form)
       Owned id{PyLong_FromLongLong(node)};
       PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
       if (!dtype && PyErr_Occurred()) throw PythonError{};
@@ -807,30 +901,60 @@ struct CallForm {
   }
 };
 
+// A loss's class check (capture._check_classes) for a target index holding `value`: whether
+// the value is a class of `x` (an expression of 1 or 2 dims) or the call's ignore_index. False
+// where the handler is to decide: it raises the error that names the op and shapes.
+PyObject* s_ignore_index = nullptr;     // "ignore_index"
+
+bool class_in_range(Store* g, const Expression* x, PyObject* value, PyObject* kwargs) {
+  PyObject* shape = (*g->shape_tuples)[g->nodes->shape[x->id]];
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+  if (ndim != 1 && ndim != 2) return true;  // (the handler checks none)
+  long long ignore = -100;
+  if (PyObject* given = PyDict_GetItemWithError(kwargs, s_ignore_index)) {  // borrowed
+    if (!PyLong_CheckExact(given)) return false;
+    ignore = PyLong_AsLongLong(given);
+    if (ignore == -1 && PyErr_Occurred()) throw PythonError{};
+  } else if (PyErr_Occurred()) {
+    throw PythonError{};
+  }
+  const long long classes = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, ndim - 1));
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+  if (v == -1 && PyErr_Occurred()) throw PythonError{};
+  return !overflow && (v == ignore || (0 <= v && v < classes));
+}
+
 // The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
-// chunk / split), taken by that plan without the handler's Python frames (~7k F.linear calls
-// per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the handler would pass on
-// as it is: no keywords, no None, an expression first and no operand led by a length (the
-// handler's row-wise plans), every other tensor a parameter the graph of that expression has
-// met (the node it resolves to is made already: resolving the operands again in the handler,
-// where this path declines, adds no node).
+// chunk / split, the class losses), taken by that plan without the handler's Python frames
+// (~7k F.linear calls per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the
+// handler would pass on as it is: no None, an expression first and no operand led by a length
+// (the handler's row-wise plans), every other tensor a parameter the graph of that expression
+// has met (the node it resolves to is made already: resolving the operands again in the
+// handler, where this path declines, adds no node). An entry (handler, weights, "classes") (a
+// class loss) takes keywords of constants too, and one-element index tensors (a target made by
+// `torch.tensor([label])`), whose nodes are made only where the plan is known, the target
+// checked as the handler checks it.
 // NULL (no error) where the handler decides: any other call, a first sight, a declined key.
 PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
-  if (PyDict_GET_SIZE(kwargs)) return nullptr;
   PyObject* entry = PyDict_GetItemWithError(g_planned, func);  // borrowed
   if (!entry) {
     if (PyErr_Occurred()) throw PythonError{};
     return nullptr;
   }
+  const bool loss = PyTuple_GET_SIZE(entry) == 3;
+  if (PyDict_GET_SIZE(kwargs) && !loss) return nullptr;
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
   if (n == 0 || Py_TYPE(PyTuple_GET_ITEM(args, 0)) !=
                     reinterpret_cast<PyTypeObject*>(g_expression_type))
     return nullptr;
+  if (loss && n != 2) return nullptr;  // (F.nll_loss, F.cross_entropy pass the rest by name)
   Store* g = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0))->graph;
   // The call's form, as far as its plan depends on it (take_apart's key, operands and
   // parameter flags): the handler, the graph's dtype, then per argument its kind and what
   // the plan reads of it. Empty where an argument is of a kind it does not spell out.
   CallForm form;
+  std::vector<IndexValue> indices;  // the index tensors', in order, their nodes not made yet
   form.add(reinterpret_cast<i64>(PyTuple_GET_ITEM(entry, 0)));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* x = PyTuple_GET_ITEM(args, i);
@@ -848,14 +972,32 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
       form.add_node(e->graph == g ? e->id : -1);
     } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
       const auto found = g->parameters->find(x);
-      if (found == g->parameters->end()) return nullptr;
-      form.add_node(found->second);
+      if (found != g->parameters->end()) {
+        form.add_node(found->second);
+        continue;
+      }
+      IndexValue v;
+      if (!loss || !index_value(x, v)) return nullptr;
+      if (i == 1 && !class_in_range(g, reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0)),
+                                    v.value, kwargs))
+        return nullptr;
+      form.add(kIndexForm, PyTuple_GET_SIZE(v.shape));
+      form.add(reinterpret_cast<i64>(v.dtype));
+      form.nodes.push_back(kDeferredNode);
+      indices.push_back(std::move(v));
     } else if (PyLong_CheckExact(x)) {
       form.add(kIntForm);
       form.add_int(x);
     } else {
       form.known = false;  // a float, a string...: take_apart keys it
     }
+  }
+  PyObject *name, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kwargs, &pos, &name, &value)) {  // (in the call's order, as take_apart)
+    if (!PyUnicode_Check(name)) return nullptr;
+    form.add_text(kNameForm, name);
+    if (!form.add_constant(value)) return nullptr;
   }
   PyObject* handler = PyTuple_GET_ITEM(entry, 0);
   PyObject* graph = reinterpret_cast<PyObject*>(g);
@@ -870,14 +1012,19 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
       if (!PyDict_Check(node_dtypes.get()))
         raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
       Owned nodes{PyTuple_New(static_cast<Py_ssize_t>(form.nodes.size()))};
-      for (std::size_t k = 0; k < form.nodes.size(); ++k)
-        PyTuple_SET_ITEM(nodes.get(), k, checked(PyLong_FromLongLong(form.nodes[k])));
+      std::size_t next_index = 0;
+      for (std::size_t k = 0; k < form.nodes.size(); ++k) {
+        const i64 node = form.nodes[k] == kDeferredNode
+                             ? add_index_input(graph, node_dtypes.get(), indices[next_index++])
+                             : form.nodes[k];
+        PyTuple_SET_ITEM(nodes.get(), k, checked(PyLong_FromLongLong(node)));
+      }
       return append_planned(graph, plan, nodes.get(), node_dtypes.get());
     }
   }
-  PyObject* call[5] = {Py_None, args, Py_None, PyTuple_GET_ITEM(entry, 1), handler};
+  PyObject* call[5] = {Py_None, args, kwargs, PyTuple_GET_ITEM(entry, 1), handler};
   PyObject* plan = nullptr;  // set (a new reference) when take_apart appended by a _Plan
-  Owned out{take_apart_call(call, 5, &plan)};
+  Owned out{take_apart_call(call, 5, &plan, /*defer=*/true)};
   auto keep = [&](PyObject* found) {  // the form's plan or recipe, for the next call
     if (form.known && form.ready && g->call_plans->emplace(form.text, found).second)
       Py_INCREF(found);
@@ -887,6 +1034,7 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
     keep(plan);
     return out.release();
   }
+  if (out.get() == Py_Ellipsis) return nullptr;  // no plan yet: nothing made
   if (PyObject_TypeCheck(out.get(), &ExpressionBase)) return out.release();
   const int recipe = PyObject_IsInstance(out.get(), g_recipe_type);
   if (recipe < 0) throw PythonError{};
@@ -1284,6 +1432,7 @@ bool register_capture(PyObject* module) {
   s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
+  s_ignore_index = PyUnicode_InternFromString("ignore_index");
   s_item = PyUnicode_InternFromString("item");
   g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import flybatch as fb
+from flybatch import capture
 from flybatch.graph import INDEX_INPUT
 from native import (ATOL, assert_same_training, check, draw, run_batched, run_eager,
                     seeded)
@@ -1540,6 +1541,65 @@ def test_calls_repeated_with_one_form_or_forms_differing_in_one_thing_train_as_e
     model = seeded(_RepeatedForms())
     check(model, model, draw(1, *[(4,)] * 5), strategy)
 
+
+
+class _RepeatedLosses(nn.Module):
+    """Class losses of each instance's scores against `torch.tensor([label])` targets, in
+    every keyword form (repeated, so that the graph's plan of each form is met again): the
+    reduction, ignore_index (the target itself, or another), label_smoothing, class weights,
+    nll_loss of log-probabilities, a 1-D score vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(CLASSES, IN))
+        self.register_buffer("weight", torch.rand(CLASSES, dtype=torch.float64) + 0.5)
+
+    def forward(self, x):
+        scores = F.linear(x, self.W)
+        rows = scores.unsqueeze(0)
+        total = x.new_zeros(())
+        for label in (0, CLASSES - 1, 1):
+            target = torch.tensor([label])
+            total = total + F.cross_entropy(rows, target, reduction="sum") \
+                + F.cross_entropy(rows, torch.tensor([label])) \
+                + F.cross_entropy(rows, target, ignore_index=label, reduction="sum") \
+                + F.cross_entropy(rows, target, ignore_index=CLASSES + 5, reduction="mean") \
+                + F.cross_entropy(rows, target, label_smoothing=0.25) \
+                + F.cross_entropy(rows, target, weight=self.weight) \
+                + F.nll_loss(F.log_softmax(rows, 1), target, reduction="sum") \
+                + F.cross_entropy(scores, torch.tensor(label))
+        return total
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_class_losses_repeated_in_every_keyword_form_train_as_eagerly(strategy):
+    """The graph keeps the plan of each keyword form of F.cross_entropy / F.nll_loss with a
+    `torch.tensor([label])` target: repeated calls give eager values and gradients, and the
+    nodes the generic path (the handler) gives."""
+    model = seeded(_RepeatedLosses())
+    items = draw(2, *[(IN,)] * 4)
+    _, fast = check(model, model, items, strategy)
+    planned = {f: capture._PLANNED.pop(f) for f in (F.cross_entropy, F.nll_loss)}
+    try:
+        generic = run_batched(model, model, items, strategy)
+    finally:
+        capture._PLANNED.update(planned)
+    assert fast.stats.nodes == generic.stats.nodes
+    assert_same_training(generic, fast)
+
+
+def test_a_target_out_of_range_raises_in_a_form_met_before():
+    """The target of a form whose plan the graph keeps is checked at every call."""
+    W = nn.Parameter(torch.randn(CLASSES, IN))
+    with fb.Graph():
+        rows = F.linear(torch.randn(IN), W).unsqueeze(0)
+        for label in (0, 1):
+            F.cross_entropy(rows, torch.tensor([label]), reduction="sum")
+        with pytest.raises(IndexError, match=r"F.cross_entropy: target 3 is out of bounds"):
+            F.cross_entropy(rows, torch.tensor([CLASSES]), reduction="sum")
+        with pytest.raises(IndexError, match=r"F.cross_entropy: target -1 is out of bounds"):
+            F.cross_entropy(rows, torch.tensor([-1]), reduction="sum", ignore_index=CLASSES)
+        F.cross_entropy(rows, torch.tensor([CLASSES]), reduction="sum", ignore_index=CLASSES)
 
 def test_a_parameter_part_read_again_after_requires_grad_is_switched_off_runs_eagerly():
     """`U[0]` is one node per graph while U requires grad; once U's requires_grad is switched

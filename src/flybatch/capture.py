@@ -2162,9 +2162,11 @@ _HANDLERS: dict[Callable, Callable] = {}
 # floating expression without other arguments, the commonest call, and calls the handler else.
 _FB_UNARY: dict[Callable, Callable] = {}
 # The functions whose handler only looks the call's plan up, as `_record(handler, args, kwargs,
-# build, weights)`: function -> (handler, weights). `torch_call` takes a known plan itself,
-# without the handler's Python frames, for a call the handler would pass on unchanged.
-_PLANNED: dict[Callable, tuple[Callable, tuple]] = {}
+# build, weights)`: function -> (handler, weights), or (handler, weights, "classes") for a class
+# loss (its keywords and target index planned too, the target checked as `_check_classes`
+# does). `torch_call` takes a known plan itself, without the handler's Python frames, for a
+# call the handler would pass on unchanged.
+_PLANNED: dict[Callable, tuple] = {}
 # The front end (`_Capture.__torch_function__`) and the head of `torch_call`, in C.
 _core.configure_front(_Capture, _DESCRIBE, _READS_VALUE, _REBINDS, _RECORDED_PROPERTIES,
                       _REBOUND_ATTRIBUTES, _forget, _before_write, _current, _thread, _HANDLERS,
@@ -2343,6 +2345,7 @@ for _func, _n in ((F.nll_loss, 2), (F.cross_entropy, 2), (F.mse_loss, 2), (F.l1_
                   (F.binary_cross_entropy, 2), (F.binary_cross_entropy_with_logits, 2),
                   (F.smooth_l1_loss, 2), (F.huber_loss, 2)):
     _register((_func,), _loss(_func, _n))
+_PLANNED.update({f: (_HANDLERS[f], (), "classes") for f in (F.nll_loss, F.cross_entropy)})
 _register((torch.lstm_cell,), _cell(torch.lstm_cell, 2))
 _register((torch.gru_cell,), _cell(torch.gru_cell, 1))
 _register((torch.rnn_tanh_cell,), _cell(torch.rnn_tanh_cell, 1))
