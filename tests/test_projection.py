@@ -63,7 +63,8 @@ def test_a_product_of_a_concat_of_earlier_results_gives_eager_values_and_gradien
     p, steps = _parameters(), _steps()
     want_values, want_grads = _eager(p, steps)
     values, projections = _flybatch(p, steps, strategy)
-    assert projections.batches > 0  # the later steps read projections
+    # the later steps read projections; not under `none`, whose batches are single nodes
+    assert (projections.batches > 0) == (strategy != "none")
     for got, want in zip(values, want_values):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for got, want in zip([q.grad for q in p.values()], want_grads):
@@ -76,7 +77,7 @@ def test_a_product_of_a_concat_gives_eager_values_under_no_grad(strategy):
     want_values, _ = _eager(p, steps)
     with torch.no_grad():
         values, projections = _flybatch(p, steps, strategy)
-    assert projections.batches > 0
+    assert (projections.batches > 0) == (strategy != "none")  # (single-node batches)
     for got, want in zip(values, want_values):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert not got.requires_grad
@@ -198,9 +199,24 @@ def test_parsers_written_per_sentence_under_map_batched_read_projections(strateg
     with fb.Graph(strategy=strategy) as g:
         results = fb.map_batched(parse, sentences)
         fb.esum([loss for _, losses in results for loss in losses]).backward()
-        assert g.projections.batches > 0
+        assert (g.projections.batches > 0) == (strategy != "none")  # (single-node batches)
     got_values = [value for values, _ in results for value in values]
     torch.testing.assert_close(torch.stack(got_values), torch.cat(want_values), rtol=1e-12,
                                atol=1e-12)
     for got, want in zip([q.grad for q in p.values()], want_grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_batch_reading_more_sources_than_it_has_rows_is_multiplied_as_written():
+    """Under `none` every node is a batch of its own and every encoder state a source of one
+    row: per-source projections would be many and tiny (MIN_ROWS_PER_SOURCE), so none is made;
+    under `agenda` the same program reads two sources (the encoder's batch and the pad) per
+    batch of eight states and is projected."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    want_values, _ = _eager(p, steps)
+    values, projections = _flybatch(p, steps, "none")
+    assert projections.products == 0 and projections.batches == 0
+    for got, want in zip(values, want_values):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    _, projections = _flybatch(p, steps, "agenda")
+    assert projections.products > 0
