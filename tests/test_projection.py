@@ -94,6 +94,8 @@ def test_each_source_is_projected_once_and_each_later_step_gathers_instead_of_mu
     assert projections.batches < len(steps)
     direct = len(steps) - projections.batches
     assert products == 1 + direct + projections.products  # the encoder's product, W's
+    # Both projections multiply by one copy of M's blocks (autograd saves it once)
+    assert len(projections.blocks) == 1
 
 
 def test_a_large_result_read_by_few_later_rows_is_not_projected():

@@ -51,8 +51,8 @@ TABLE_MAX_GROWTH = 4
 # A projection, its joined table and their autograd nodes are per source: where a batch reads
 # from more sources than it has rows over two (one state per forward: strategy `none`, a
 # sentence parsed alone), the tables are many and tiny and cost more than the products they
-# replace (the parser under `none`: 1,131 one-row projections, a training step 1.9x slower,
-# peak memory 455 -> 1,805 MB). Such a batch is multiplied as written.
+# replace (the parser under `none`: 1,131 one-row projections, its training step 1.1-1.2x
+# slower than without them, 2026-11-24). Such a batch is multiplied as written.
 MIN_ROWS_PER_SOURCE = 2
 
 
@@ -93,8 +93,22 @@ class Projections:
     joined: dict[tuple, _Joined] = field(default_factory=dict)  # (weight, sources, grad mode)
     # weight batch -> rows times blocks it multiplied as written since its last projection
     rent: dict[int, int] = field(default_factory=dict)
+    # (weight batch, k, grad mode) -> (the weight, its version, [W_1; ...; W_k]): one copy of
+    # the blocks per weight version, shared by all its sources' projections (autograd saves it
+    # for their backward once, not per source)
+    blocks: dict[tuple, tuple] = field(default_factory=dict)
     batches: int = 0
     products: int = 0
+
+    def blocks_of(self, weight_batch: int, w: torch.Tensor, k: int, grad: bool) -> torch.Tensor:
+        """[W_1; ...; W_k] of the weight as stored ([1, out, k * d]): [k * out, d]."""
+        found = self.blocks.get((weight_batch, k, grad))
+        if found is not None and found[0] is w and found[1] == w._version:
+            return found[2]
+        out, d = w.shape[1], w.shape[2] // k
+        blocks = w[0].reshape(out, k, d).transpose(0, 1).reshape(k * out, d)
+        self.blocks[(weight_batch, k, grad)] = (w, w._version, blocks)
+        return blocks
 
     def __repr__(self) -> str:
         return (f"Projections(tables={len(self.tables)}, batches={self.batches}, "
@@ -164,8 +178,9 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
         if rent * SMALL_GEMM_SLOWDOWN < sum(values[source].shape[0] for source in missing) * k:
             return None
         projections.rent[weight_batch] = 0
+        blocks = projections.blocks_of(weight_batch, weight, k, grad)
         for source in missing:
-            projection = _project(weight, values[source], k, d, out)
+            projection = _project(weight, blocks, values[source], out)
             projections.tables[(weight_batch, source, grad)] = projection
             tables[sources.index(source)] = projection.table
             projections.products += 1
@@ -200,9 +215,9 @@ def _rows_read(blocks: list, sources: tuple[int, ...], values: list, stacked: in
     return np.stack(columns, 1) if all(len(c) == size for c in columns) else None
 
 
-def _project(w: torch.Tensor, source: torch.Tensor, k: int, d: int, out: int) -> _Projection:
+def _project(w: torch.Tensor, blocks: torch.Tensor, source: torch.Tensor,
+             out: int) -> _Projection:
     """P = X @ [W_1; ...; W_k]^T as ONE GEMM: [N, d] x [d, k * out], viewed [N * k, out]. `w`
-    is the weight as stored, [1, out, k * d]."""
-    blocks = w[0].reshape(out, k, d).transpose(0, 1).reshape(k * out, d)
+    is the weight as stored, [1, out, k * d]; `blocks` its [W_1; ...; W_k], [k * out, d]."""
     table = kernels.linear(source, blocks, model_flops=False).reshape(-1, out)
     return _Projection(table, w, w._version, source, source._version)
