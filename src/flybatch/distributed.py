@@ -42,9 +42,9 @@ rather than at the timeout. A rank that dies or hangs is caught by the backstop:
 collective is bounded by the process-group `timeout` given to `init`, and a collective error
 is re-raised as a `RankFailedError` that says so. Ranks that reduce different parameter lists
 (a model built differently on one rank) all raise `ParameterMismatchError` naming the
-difference, found at every reduce by comparing fingerprints of the lists (one tiny all-reduce). Without a
-process group (plain `python script.py`, or a world of one) every function here is a cheap
-local no-op, so the same script runs single-process unchanged.
+difference, found at every reduce by comparing fingerprints of the lists (one tiny
+all-reduce). Without a process group (plain `python script.py`, or a world of one) every
+function here is a cheap local no-op, so the same script runs single-process unchanged.
 """
 
 from __future__ import annotations
