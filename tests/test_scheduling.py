@@ -334,6 +334,30 @@ def test_auto_reaches_the_bound_where_the_agenda_split_a_group():
     assert stats.batches == stats.lower_bound == 12
 
 
+def _product_beside_sums(strategy: str) -> fb.Stats:
+    """x * y feeds a sum, beside the sums x + y and z + x that read only inputs (z recorded
+    last: the forward schedules' ties then favour the sums). The lower bound is 5: one launch
+    per signature."""
+    with fb.Graph(strategy=strategy) as g:
+        x, y = fb.input(torch.zeros(2)), fb.input(torch.zeros(2))
+        s, t, xy = x + y, fb.tanh(x), x * y
+        nodes = [s, t, xy, xy + xy, xy * t, fb.tanh(s), s * y]
+        nodes.append(fb.input(torch.zeros(2)) + x)
+        fb.esum(nodes).value()
+        return g.stats()
+
+
+def test_auto_runs_a_product_alone_first_so_that_its_sum_joins_the_other_sums():
+    """The optimum runs x * y alone, then every sum in one launch (its own among them), then
+    the tanhs and the other products: 5 launches. The forward list schedules run the two ready
+    sums first and need a second launch of sums; the schedule built backwards by squared
+    heights lines the sums up."""
+    assert _product_beside_sums("depth").batches == 7
+    assert _product_beside_sums("agenda").batches == 6
+    stats = _product_beside_sums("auto")
+    assert stats.batches == stats.lower_bound == 5
+
+
 def test_stats_say_what_a_split_signature_waited_on():
     """Two chains, tanh-sigmoid and sigmoid-tanh: tanh and sigmoid each have a bound of 1, but
     one of them must run twice, its second launch waiting on the other signature."""
