@@ -1,4 +1,4 @@
-// Torch-native capture, the per-call part (flybatch/capture.py): a recorded torch call taken
+// Torch-native capture, the per-call part (flybatch/capture/): a recorded torch call taken
 // apart in one pass over its arguments.
 //
 // `take_apart(graph, args, kwargs, weights)` returns
@@ -347,7 +347,7 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture.py `_Call`) in `graph` (None: the graph of its "
+    "recorded by the capture layer (see capture/calls.py `_Call`) in `graph` (None: the graph of its "
     "operands, as capture._graph_of). With `handler`, and a plan of "
     "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
     "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
@@ -499,7 +499,7 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 // `_Capture.__torch_function__`: every torch call inside a graph block comes here first (~31k
 // per Tree-LSTM minibatch), most of them to be recorded, the rest (`torch.tensor([3])`) to run
 // as they are. Deciding which in Python cost ~0.5-1 us a call; here it is a few type checks.
-// The rules (capture.py's comments say why each is there):
+// The rules (capture/mode.py's comments say why each is there):
 //   * an Expression type among `types`: recorded;
 //   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs,
 //     but one in capture._READS_VALUE (`data`, `requires_grad`) of a shadowed tensor is recorded;
@@ -1358,14 +1358,16 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_tensor_getitem, PyObject_GetAttrString(g_tensor_type, "__getitem__"));
   Py_DECREF(torch);
   if (!g_torch_tensor || !g_torch_full || !g_int64 || !g_tensor_getitem) return nullptr;
-  PyObject* capture = PyImport_ImportModule("flybatch.capture");  // (being imported: its _cat)
-  PyObject* fb_ops = capture ? PyImport_ImportModule("flybatch.ops") : nullptr;
+  PyObject* mappings = PyImport_ImportModule("flybatch.capture.mappings");  // (their _cat)
+  PyObject* indexing = mappings ? PyImport_ImportModule("flybatch.capture.indexing") : nullptr;
+  PyObject* fb_ops = indexing ? PyImport_ImportModule("flybatch.ops") : nullptr;
   if (fb_ops) {
-    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(capture, "_cat"));
-    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(capture, "_Pieces"));
+    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(mappings, "_cat"));
+    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(indexing, "_Pieces"));
     Py_XSETREF(g_concat, PyObject_GetAttrString(fb_ops, "concat"));
   }
-  Py_XDECREF(capture);
+  Py_XDECREF(mappings);
+  Py_XDECREF(indexing);
   Py_XDECREF(fb_ops);
   if (!g_cat_handler || !g_concat || !g_pieces_type) return nullptr;
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
