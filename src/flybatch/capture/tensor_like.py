@@ -145,17 +145,6 @@ _KEEP = {"value", "item", "numpy", "backward", "graph", "id", "shape", "op", "__
          "__matmul__", "__rmatmul__", "__neg__", "argmax"}
 
 
-def _tensor_comparison(name: str) -> Callable:
-    def compare(self, other):
-        return getattr(self.tensor, name)(other)
-    compare.__name__ = name
-    return compare
-
-
-for _name_ in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"):
-    setattr(ArgmaxIndex, _name_, _tensor_comparison(_name_))
-
-
 def _argmax(self, dim=None, keepdim=False):
     """With no argument, the index of the largest element as an `ArgmaxIndex` (a value
     request, as flybatch always had it); with `dim`, torch's argmax as a node."""
