@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels, ops
+from .. import _core, kernels, ops
 from ..graph import _INDEX_DTYPES, Expression, Graph, Op
 from .calls import _Call, _graph_of
 from .argmax import ArgmaxIndex
@@ -349,19 +349,10 @@ def _constant_row(g: Graph, index: Any) -> int | None:
     return index.item()  # (an int, as int(index) gives it in a third of the time)
 
 
-def _lookup_rows(g: Graph, table: torch.Tensor, row: int, index_shape: tuple,
-                 sparse: bool) -> Expression:
-    """`F.embedding` of a one-element index of shape `index_shape` holding `row`: a lookup
-    node of shape `index_shape + (columns,)` (a 0-d index: `fb.lookup` itself)."""
-    if not index_shape:
-        return ops.lookup(table, row, sparse, g)
-    rows, columns = table.shape
-    if not 0 <= row < rows:
-        raise IndexError(f"F.embedding: index {row} out of range for a table of {rows} rows")
-    entry = g.tags.get(id(table))  # the table's tag, checked once per graph (Graph._lookup_tag)
-    tag = entry[1] if entry is not None else g._lookup_tag(table)
-    shape = index_shape + (columns,)
-    return g.add(ops.LOOKUP, (), shape, ("lookup", tag, sparse, shape), (table, sparse, ()), row)
+# `F.embedding` of a one-element index of shape `index_shape` holding `row`: a lookup node of
+# shape `index_shape + (columns,)` (a 0-d index: `fb.lookup` itself). The compiled core's
+# (capture.cpp), which takes the commonest such call itself, without this handler.
+_lookup_rows = _core.lookup_rows
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
