@@ -347,7 +347,8 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture/calls.py `_Call`) in `graph` (None: the graph of its "
+    "recorded by the capture layer (see capture/calls.py `_Call`) in `graph` "
+    "(None: the graph of its "
     "operands, as capture._graph_of). With `handler`, and a plan of "
     "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
     "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
