@@ -1,4 +1,4 @@
-// Torch-native capture, the per-call part (flybatch/capture.py): a recorded torch call taken
+// Torch-native capture, the per-call part (flybatch/capture/): a recorded torch call taken
 // apart in one pass over its arguments.
 //
 // `take_apart(graph, args, kwargs, weights)` returns
@@ -347,7 +347,8 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
 const char kTakeApartDoc[] =
     "take_apart(graph, args, kwargs, weights, handler=None)\n\n"
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
-    "recorded by the capture layer (see capture.py `_Call`) in `graph` (None: the graph of its "
+    "recorded by the capture layer (see capture/calls.py `_Call`) in `graph` "
+    "(None: the graph of its "
     "operands, as capture._graph_of). With `handler`, and a plan of "
     "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
     "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
@@ -499,7 +500,7 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 // `_Capture.__torch_function__`: every torch call inside a graph block comes here first (~31k
 // per Tree-LSTM minibatch), most of them to be recorded, the rest (`torch.tensor([3])`) to run
 // as they are. Deciding which in Python cost ~0.5-1 us a call; here it is a few type checks.
-// The rules (capture.py's comments say why each is there):
+// The rules (capture/mode.py's comments say why each is there):
 //   * an Expression type among `types`: recorded;
 //   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs,
 //     but one in capture._READS_VALUE (`data`, `requires_grad`) of a shadowed tensor is recorded;
@@ -1124,6 +1125,118 @@ PyObject* parameter_view(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(new_expression(reinterpret_cast<Store*>(graph), at));
 }
 
+// `F.embedding(torch.tensor([word]), E)` (a leaf's word, ~1.1k per Tree-LSTM minibatch): a
+// lookup node of shape `index_shape + (columns,)` holding the row, with no index input. It is
+// `lookup_rows`, shared with the Python handler (capture/mappings.py `_embedding`), which
+// takes every other call; taken here without the handler's Python frames and tensor reads
+// (~4 us a call) where the handler would take it: a one-element integer index on the CPU, of
+// at least one dim (a 0-d one is `fb.lookup` itself), into a 2-D leaf parameter, grad
+// enabled, no padding_idx, max_norm or scale_grad_by_freq, the graph writing into no tensor.
+PyObject* g_embedding = nullptr;        // torch.nn.functional.embedding
+PyObject* g_lookup_op = nullptr;        // ops.LOOKUP
+PyObject* g_fb_lookup = nullptr;        // ops.lookup
+PyObject* s_tags = nullptr;             // "tags"
+PyObject* s_lookup_tag_method = nullptr;  // "_lookup_tag"
+PyObject* s_lookup = nullptr;           // "lookup"
+PyObject* s_padding_idx = nullptr;      // "padding_idx"
+PyObject* s_max_norm = nullptr;         // "max_norm"
+PyObject* s_norm_type = nullptr;        // "norm_type"
+PyObject* s_scale_grad_by_freq = nullptr;  // "scale_grad_by_freq"
+PyObject* s_sparse = nullptr;           // "sparse"
+
+// The lookup node of `row` of `table` for an index of shape `index_shape` (a tuple): as
+// `fb.lookup` for a 0-d index, else a node of shape `index_shape + (columns,)`.
+PyObject* lookup_rows(PyObject* graph, PyObject* table, PyObject* row, PyObject* index_shape,
+                      bool sparse) {
+  PyObject* sparse_flag = sparse ? Py_True : Py_False;
+  if (PyTuple_GET_SIZE(index_shape) == 0) {
+    PyObject* call[4] = {table, row, sparse_flag, graph};
+    return checked(PyObject_Vectorcall(g_fb_lookup, call, 4, nullptr));
+  }
+  Owned size{PyObject_GetAttr(table, s_shape_attr)};
+  Owned dims{PySequence_Tuple(size.get())};
+  if (PyTuple_GET_SIZE(dims.get()) != 2)
+    raise(PyExc_TypeError, "F.embedding: the table must be a matrix");
+  const long long rows = PyLong_AsLongLong(PyTuple_GET_ITEM(dims.get(), 0));
+  const long long at = PyLong_AsLongLong(row);
+  if ((rows == -1 || at == -1) && PyErr_Occurred()) throw PythonError{};
+  if (!(0 <= at && at < rows))
+    raise(PyExc_IndexError, "F.embedding: index %lld out of range for a table of %lld rows", at,
+          rows);
+  // the table's tag, checked once per graph (Graph._lookup_tag)
+  Owned tags{PyObject_GetAttr(graph, s_tags)};
+  if (!PyDict_Check(tags.get())) raise(PyExc_TypeError, "graph.tags must be a dict");
+  Owned id{PyLong_FromVoidPtr(table)};
+  PyObject* entry = PyDict_GetItemWithError(tags.get(), id.get());  // borrowed
+  if (!entry && PyErr_Occurred()) throw PythonError{};
+  Owned tag{entry ? Py_NewRef(PySequence_Fast_GET_ITEM(entry, 1))
+                  : checked(PyObject_CallMethodOneArg(graph, s_lookup_tag_method, table))};
+  Owned columns{PyTuple_Pack(1, PyTuple_GET_ITEM(dims.get(), 1))};
+  Owned shape{checked(PySequence_Concat(index_shape, columns.get()))};
+  Owned key{PyTuple_Pack(4, s_lookup, tag.get(), sparse_flag, shape.get())};
+  Owned attr{PyTuple_Pack(3, table, sparse_flag, g_no_args)};
+  PyObject* add_args[7] = {graph, g_lookup_op, g_no_args, shape.get(), key.get(), attr.get(),
+                           row};
+  return checked(
+      PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+}
+
+const char kLookupRowsDoc[] =
+    "lookup_rows(graph, table, row, index_shape, sparse) -> Expression\n\n"
+    "F.embedding of a one-element index of shape index_shape holding row: fb.lookup for a 0-d "
+    "index, else a lookup node of shape index_shape + (columns,).";
+
+PyObject* lookup_rows_binding(PyObject*, PyObject* args) {
+  PyObject *graph, *table, *row, *index_shape;
+  int sparse;
+  if (!PyArg_ParseTuple(args, "OOO!O!p:lookup_rows", &graph, &table, &PyLong_Type, &row,
+                        &PyTuple_Type, &index_shape, &sparse))
+    return nullptr;
+  return guarded([&] { return lookup_rows(graph, table, row, index_shape, sparse); });
+}
+
+PyObject* embedding_row(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (func != g_embedding || PyTuple_GET_SIZE(args) != 2) return nullptr;
+  PyObject *input = PyTuple_GET_ITEM(args, 0), *table = PyTuple_GET_ITEM(args, 1);
+  bool sparse = false;
+  PyObject *name, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kwargs, &pos, &name, &value)) {
+    if (!PyUnicode_Check(name)) return nullptr;
+    if (PyUnicode_Compare(name, s_sparse) == 0) {
+      const int truth = PyObject_IsTrue(value);
+      if (truth < 0) throw PythonError{};
+      sparse = truth;
+    } else if (PyUnicode_Compare(name, s_padding_idx) == 0 ||
+               PyUnicode_Compare(name, s_max_norm) == 0) {
+      if (value != Py_None) return nullptr;
+    } else if (PyUnicode_Compare(name, s_scale_grad_by_freq) == 0) {
+      if (value != Py_False) return nullptr;  // (the handler refuses True)
+    } else if (PyUnicode_Compare(name, s_norm_type) != 0) {
+      return nullptr;
+    }
+  }
+  if (!grad_enabled() ||
+      !PyObject_TypeCheck(table, reinterpret_cast<PyTypeObject*>(g_tensor_type)) ||
+      PyObject_TypeCheck(table, &ExpressionBase))
+    return nullptr;
+  PyObject* graph = nullptr;
+  if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
+  Owned held{graph};
+  if (!PyObject_TypeCheck(graph, &StoreType) || reinterpret_cast<Store*>(graph)->closed ||
+      truth(Owned{PyObject_GetAttr(graph, s_shadows)}.get()))
+    return nullptr;
+  if (!truth(Owned{PyObject_GetAttr(table, s_requires_grad)}.get()) ||
+      !truth(Owned{PyObject_GetAttr(table, s_is_leaf)}.get()) ||
+      PyLong_AsLong(Owned{PyObject_GetAttr(table, s_ndim)}.get()) != 2) {
+    if (PyErr_Occurred()) throw PythonError{};
+    return nullptr;
+  }
+  IndexValue v;
+  if (!index_value(input, v) || PyTuple_GET_SIZE(v.shape) == 0) return nullptr;
+  return lookup_rows(graph, table, v.value, v.shape, sparse);
+}
+
 // torch.cat (torch.concat, torch.concatenate) of expressions of the graph's floating dtype,
 // one graph's (a Tree-LSTM node's children's states, ~1.2k per minibatch): flybatch's concat
 // along the per-instance dim, as the handler (capture._cat) maps it, without its Python
@@ -1215,6 +1328,8 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
   const bool written_out = out_arg && out_arg != Py_None;
   if (PyObject* out = written_out ? nullptr : fb_unary(func, args, kwargs.get())) return out;
   if (PyObject* out = written_out ? nullptr : parameter_view(func, args, kwargs.get()))
+    return out;
+  if (PyObject* out = written_out ? nullptr : embedding_row(func, args, kwargs.get()))
     return out;
   if (PyObject* out = written_out ? nullptr : planned(func, args, kwargs.get())) return out;
   if (PyObject* out = written_out ? nullptr : concat_of_expressions(func, args, kwargs.get()))
@@ -1358,16 +1473,26 @@ PyObject* configure_front(PyObject*, PyObject* args) {
   Py_XSETREF(g_tensor_getitem, PyObject_GetAttrString(g_tensor_type, "__getitem__"));
   Py_DECREF(torch);
   if (!g_torch_tensor || !g_torch_full || !g_int64 || !g_tensor_getitem) return nullptr;
-  PyObject* capture = PyImport_ImportModule("flybatch.capture");  // (being imported: its _cat)
-  PyObject* fb_ops = capture ? PyImport_ImportModule("flybatch.ops") : nullptr;
+  PyObject* mappings = PyImport_ImportModule("flybatch.capture.mappings");  // (their _cat)
+  PyObject* indexing = mappings ? PyImport_ImportModule("flybatch.capture.indexing") : nullptr;
+  PyObject* fb_ops = indexing ? PyImport_ImportModule("flybatch.ops") : nullptr;
   if (fb_ops) {
-    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(capture, "_cat"));
-    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(capture, "_Pieces"));
+    Py_XSETREF(g_cat_handler, PyObject_GetAttrString(mappings, "_cat"));
+    Py_XSETREF(g_pieces_type, PyObject_GetAttrString(indexing, "_Pieces"));
     Py_XSETREF(g_concat, PyObject_GetAttrString(fb_ops, "concat"));
+    Py_XSETREF(g_lookup_op, PyObject_GetAttrString(fb_ops, "LOOKUP"));
+    Py_XSETREF(g_fb_lookup, PyObject_GetAttrString(fb_ops, "lookup"));
   }
-  Py_XDECREF(capture);
+  Py_XDECREF(mappings);
+  Py_XDECREF(indexing);
   Py_XDECREF(fb_ops);
-  if (!g_cat_handler || !g_concat || !g_pieces_type) return nullptr;
+  if (!g_cat_handler || !g_concat || !g_pieces_type || !g_lookup_op || !g_fb_lookup)
+    return nullptr;
+  PyObject* functional = PyImport_ImportModule("torch.nn.functional");
+  if (!functional) return nullptr;
+  Py_XSETREF(g_embedding, PyObject_GetAttrString(functional, "embedding"));
+  Py_DECREF(functional);
+  if (!g_embedding) return nullptr;
   // A method descriptor, so that the mode's instances bind it as they would a Python method.
   PyObject* method =
       PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(mode_class), &kTorchFunction);
@@ -1390,6 +1515,7 @@ PyMethodDef kCaptureMethods[] = {
     {"configure_front", configure_front, METH_VARARGS, kConfigureFrontDoc},
     {"torch_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_call)),
      METH_FASTCALL, kTorchCallDoc},
+    {"lookup_rows", lookup_rows_binding, METH_VARARGS, kLookupRowsDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -1450,6 +1576,17 @@ bool register_capture(PyObject* module) {
   s_ndim = PyUnicode_InternFromString("ndim");
   s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
   g_one_element = Py_BuildValue("(i)", 1);
+  s_tags = PyUnicode_InternFromString("tags");
+  s_lookup_tag_method = PyUnicode_InternFromString("_lookup_tag");
+  s_lookup = PyUnicode_InternFromString("lookup");
+  s_padding_idx = PyUnicode_InternFromString("padding_idx");
+  s_max_norm = PyUnicode_InternFromString("max_norm");
+  s_norm_type = PyUnicode_InternFromString("norm_type");
+  s_scale_grad_by_freq = PyUnicode_InternFromString("scale_grad_by_freq");
+  s_sparse = PyUnicode_InternFromString("sparse");
+  if (!s_tags || !s_lookup_tag_method || !s_lookup || !s_padding_idx || !s_max_norm ||
+      !s_norm_type || !s_scale_grad_by_freq || !s_sparse)
+    return false;
   return s_item && s_apply && s_device && s_dim && s_kind && s_plans && g_dim_name && g_one_element && s_leaf_nodes && s_view &&
          s_tuple && s_ndim && s_is_floating_point && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&

@@ -1,4 +1,5 @@
-// torch's Python-level dispatch to the capture mode, in C (flybatch/capture.py rebinds it).
+// torch's Python-level dispatch to the capture mode, in C (flybatch/capture/dispatch.py rebinds
+// it).
 //
 // The torch functions written in Python (most of torch.nn.functional: F.embedding,
 // F.cross_entropy, F.softmax...; torch.functional; Tensor methods of torch/_tensor.py such as

@@ -938,7 +938,8 @@ PyObject* expr_matmul(PyObject* a, PyObject* b) { return operator_rule(kMatmul, 
 PyObject* expr_neg(PyObject* a) { return operator_rule(kNeg, a, nullptr); }
 
 // Any other index (a tuple, None, ..., a step, a tensor) goes to `flybatch.ops._getitem`, the
-// torch-semantics indexing of the capture layer (flybatch/capture.py), set when it is imported.
+// torch-semantics indexing of the capture layer (flybatch/capture/indexing.py), set when it is
+// imported.
 PyObject* getitem_fallback(PyObject* x, PyObject* index) {
   PyObject* fallback = PyObject_GetAttrString(g_ops_module, "_getitem");
   if (!fallback) {

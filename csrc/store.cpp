@@ -1065,7 +1065,7 @@ PyObject* own_time_ns(PyObject*, PyObject*) {
   return PyLong_FromLongLong(total);
 }
 
-// An in-place write into an expression (`h += x`, capture.py `_write_into_expression`) as
+// An in-place write into an expression (`h += x`, capture/inplace.py `_write_into_expression`) as
 // eager torch makes it: every reference to the same handle (`a = h`, a list holding h) sees
 // the new value, so the handle is pointed at the node of the value written.
 PyObject* rebind(PyObject*, PyObject* args) {

@@ -1648,6 +1648,21 @@ def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
     torch.testing.assert_close(table.grad.to_dense(), want.to_dense(), rtol=0, atol=ATOL)
 
 
+def test_a_row_lookup_is_one_kind_of_node_whichever_path_records_it():
+    """The compiled core takes `F.embedding(torch.tensor([word]), E)` itself, the handler takes
+    it while the graph writes into a tensor: the same lookup node, so their rows batch."""
+    table = nn.Parameter(torch.randn(6, 5))
+    with fb.Graph() as g:
+        first = F.embedding(torch.tensor([1]), table)
+        written = torch.zeros(2)
+        written[0] = first[0, 0]  # the graph writes into `written` (Graph.shadows)
+        second = F.embedding(torch.tensor([4]), table)
+        g.forward([first, second])
+        lookups = [n for s, n in g.launches if "lookup" in fb.signatures.describe(s, g)]
+        assert lookups == [2]
+        torch.testing.assert_close(second.value(), table.detach()[[4]], rtol=0, atol=0)
+
+
 def test_a_sparse_embedding_gets_the_sparse_gradient_eager_torch_gives():
     embedding = seeded(nn.Embedding(10, IN, sparse=True))
     sentences = [[1, 2, 2], [7], [3, 1]]

@@ -3,7 +3,8 @@
 
 Eagerly the best word is a 0-d (or one-element) int64 tensor, and every one of these forms
 works. Inside `fb.Graph` and `fb.map_batched` each must give eager PyTorch's decisions, loss and
-gradients under every strategy; `x.argmax()` stays the Python int flybatch code uses too.
+gradients under every strategy; `x.argmax()` stays the Python int flybatch code uses too, and
+so does integer arithmetic on it (`pred + 1`), which is also the tensor torch computes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ FEED_BACK = {
     "pred.view(1, -1)": lambda emb, pred: emb(pred.view(1, -1)).view(1, -1),
     "int(pred)": lambda emb, pred: emb(torch.tensor([int(pred)])),
     "pred.squeeze().detach()": lambda emb, pred: emb(pred.squeeze().detach()).view(1, -1),
+    # integer arithmetic on the word (a shifted vocabulary, a wrap-around)
+    "emb((pred + 1) % VOCAB)": lambda emb, pred: emb((pred + 1) % VOCAB).view(1, -1),
+    "emb(VOCAB - 1 - pred)": lambda emb, pred: emb(VOCAB - 1 - pred).view(1, -1),
 }
 
 
@@ -153,13 +157,29 @@ def test_argmax_is_also_the_tensor_torch_returns():
         assert (best == 2).item() is True
 
 
-def test_arithmetic_on_argmax_is_an_int_and_torch_names_the_call_it_cannot_take():
-    """`pred + 1` is the int flybatch code computes (a list index, a dict key): fed to
-    F.embedding, which takes tensors only, the error names the function, as eagerly with an
-    int."""
-    table = seeded(nn.Embedding(VOCAB, HIDDEN))
+def test_integer_arithmetic_on_argmax_is_both_the_int_and_the_tensor():
+    """`pred + 1`, `n - pred`, `pred % n`... are the int flybatch code computes (a list index,
+    a dict key) and the tensor eager torch computes, so `emb(pred + 1)` looks up its row."""
+    eager = SCORES.argmax()
+    arithmetic = {"i + 1": lambda i: i + 1, "1 + i": lambda i: 1 + i, "i - 1": lambda i: i - 1,
+                  "5 - i": lambda i: 5 - i, "i * 2": lambda i: i * 2, "2 * i": lambda i: 2 * i,
+                  "i // 2": lambda i: i // 2, "7 // i": lambda i: 7 // i,
+                  "i % 2": lambda i: i % 2, "7 % i": lambda i: 7 % i, "-i": lambda i: -i,
+                  "(i + 1) * 2 - i": lambda i: (i + 1) * 2 - i}
     with fb.Graph():
         best = fb.input(SCORES).argmax()
-        assert type(best + 1) is int
-        with pytest.raises(TypeError, match="embedding"):
-            table(best + 1)
+        for name, f in arithmetic.items():
+            assert isinstance(f(best), int) and int(f(best)) == f(2), name
+            assert "abcdefghij"[f(best) % 10] == "abcdefghij"[f(2) % 10], name
+            assert torch.equal(f(best).view(1), f(eager).view(1)), name
+            assert f(best).dtype == f(eager).dtype and f(best).shape == f(eager).shape, name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_embedding_of_argmax_plus_one_trains_as_eagerly(strategy):
+    """`emb(pred + 1)` with `pred = out.argmax()`: values and gradients as eagerly."""
+    table = nn.Embedding(VOCAB + 1, HIDDEN)
+    model = GreedyTranslator(feed_back=lambda emb, pred: table(pred + 1).view(1, -1))
+    model.shifted = table  # a submodule: seeded, and its gradient compared too
+    model = seeded(model, seed=SEED)
+    check(model, lambda pair: model(*pair), PAIRS, strategy)

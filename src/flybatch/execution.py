@@ -498,7 +498,7 @@ class _Collect(torch.autograd.Function):
         return ctx.sink.take(), None
 
 
-# `Function.apply` less its Python layers (capture.py's check of every argument for an
+# `Function.apply` less its Python layers (capture/generic.py's check of every argument for an
 # expression, then torch's default-argument and functorch checks): the C apply itself, which
 # is what those layers call for a Function without `setup_context` when no functorch transform
 # is active. A sink read is one apply per forward; the layers cost a fifth of it.

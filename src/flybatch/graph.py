@@ -145,7 +145,7 @@ class Expression(_core.Expression):
         """This node's value, running one batched forward over every pending node if needed."""
         return self.graph.value_of(self.id)
 
-    # The peeks below work on the value with the capture of torch calls off (capture.py):
+    # The peeks below work on the value with the capture of torch calls off (capture/):
     # inside `with fb.Graph()` a `.detach()` of a value that requires grad would be recorded.
     # The value is asked for first, with capture on: the request may suspend this instance of
     # `map_batched`, and torch's switch is per thread, so a switch held across the suspension
@@ -201,7 +201,7 @@ class Expression(_core.Expression):
 
     # Comparisons of a scalar ask for the value (so control flow can depend on it) and give
     # torch's 0-d bool tensor of it (`~(s > t)`, `(s > t).float()`, `torch.where(s > t, ...)`
-    # as eagerly; a Python bool would make `~` -1 or -2); capture.py makes those of a larger
+    # as eagerly; a Python bool would make `~` -1 or -2); capture/ makes those of a larger
     # expression elementwise masks, and `==` / `!=` elementwise (the hash stays identity, as
     # a tensor's: expressions are dict keys and set members).
     def __lt__(self, other: Any) -> torch.Tensor:
@@ -269,13 +269,14 @@ class Graph(_core.Store):
         # indices of a captured `topk`...): node -> dtype.
         self.node_dtypes: dict[int, torch.dtype] = {}
         # Plain tensors written in place with expressions by captured torch code
-        # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See capture.py.
+        # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See
+        # capture/inplace.py.
         self.shadows: dict[int, tuple[torch.Tensor, "Expression"]] = {}
         # The storages (data pointers) of the shadowed tensors: another tensor object of one of
         # them (`E.weight` after a write into `E.weight.data`) reads the write (write_through).
         self.shadow_storages: set[int] = set()
-        # In-place writes into expressions (`h += x` rebinds h's handle, capture.py): (old
-        # node, first node of the write, its last node, function), and, worked out before the
+        # In-place writes into expressions (`h += x` rebinds h's handle, capture/inplace.py):
+        # (old node, first node of the write, its last node, function), and, worked out before the
         # next forward, the nodes that eagerly share storage with what was written (its old
         # node and the views around it), which would show the write: reading one after it
         # raises (`_refuse_stale_reads`). node -> (the write's last node, its function).
@@ -674,7 +675,7 @@ class Graph(_core.Store):
         self._check_open()
         start, end = self.n_done, self.n_nodes
         if self.writes:
-            from .capture import sharing_storage  # (capture.py builds on this module)
+            from .capture import sharing_storage  # (the capture package builds on this)
             self.overwritten.update(sharing_storage(self, self.writes))
             self.writes, self._stale_arrays = [], None
         if self.overwritten:
@@ -694,7 +695,7 @@ class Graph(_core.Store):
                 # that asked for a value (a peek under no_grad or inference_mode): each node's
                 # own mode decides; and in the precision of the nodes' recording whatever
                 # autocast region asked (calls recorded inside one raise). Kernels are plain
-                # torch: the capture of torch calls (capture.py) is off (first, so that
+                # torch: the capture of torch calls (capture/) is off (first, so that
                 # switching grad mode on is not itself dispatched to it).
                 with torch._C.DisableTorchFunction(), self._kernel_modes():
                     execution.run(self, schedule)

@@ -654,4 +654,4 @@ Expression.__iter__ = _rows
 # element (an object array of expressions); None makes NumPy defer to `x.__radd__` and the like.
 Expression.__array_ufunc__ = None
 # Torch functions on expressions (`W @ h` with a tensor on the left, `torch.tanh(x)`, any other)
-# go through `Expression.__torch_function__`, which capture.py defines.
+# go through `Expression.__torch_function__`, which capture/dispatch.py defines.

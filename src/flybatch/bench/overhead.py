@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['schedule_us_per_node']:.2f} | {row['batches']} | "
               f"{_bytes(row, 'built_bytes_per_node')} | "
               f"{_bytes(row, 'scheduled_bytes_per_node')} |")
-    # Torch-native code (capture.py): the same model as torch calls, recorded one call each.
+    # Torch-native code (capture/): the same model as torch calls, recorded one call each.
     captured = [measure_capture(size, args.repeats) for size in args.sizes if size <= 100_000]
     print()
     print("| nodes | torch-native build us/call | us/node | fb ops build us/node |")

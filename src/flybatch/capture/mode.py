@@ -1,0 +1,183 @@
+"""Switching capture on and off, and what stays outside it: the calls that describe a
+tensor, writes into parameters, an optimizer's step, modules' backward hooks and buffers."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.distributions import Distribution
+from torch.optim import optimizer as _optimizer
+from torch.overrides import TorchFunctionMode
+
+from ..graph import Expression, _current, live_graphs
+
+
+# ---- switching capture on and off --------------------------------------------------------------
+class _Capture(TorchFunctionMode):
+    """Records the torch calls that involve the graph; runs every other call as it is.
+
+    Its `__torch_function__` (every torch call in a graph block goes through it) is in C,
+    `_core` capture.cpp, installed by dispatch.py: whether a call involves the graph (an expression among
+    its operands, a shadowed tensor, written with an expression, or a parameter, under
+    `torch.no_grad()` too so that an evaluation batches, but not inside an optimizer's step,
+    whose updates are the parameters' own), by the rules of `_DESCRIBE`, `_REBINDS`... below.
+    A recorded call goes to `torch_call`, any other runs as `func(*args, **kwargs)`."""
+
+
+_thread = threading.local()  # torch's mode stack is per thread: so is the depth of `push`
+
+
+def push() -> None:
+    """Capture on (nested pushes share one mode; `Graph.__enter__`, `map_batched`)."""
+    depth = getattr(_thread, "depth", 0)
+    _thread.optimizer_step = False
+    if depth == 0:
+        mode = getattr(_thread, "mode", None)
+        if mode is None:  # one per thread, kept: a fresh mode per graph leaked ~35 B each
+            mode = _thread.mode = _Capture()
+        torch.overrides._push_mode(mode)
+        # torch.distributions' argument checks, on by default, read values (`valid.all()`: a
+        # forward per distribution made) and refuse an expression as a `log_prob` sample (it is
+        # no torch.Tensor): off by default inside a graph, as `set_default_validate_args(False)`
+        # turns them off (a distribution made with `validate_args=True` still checks).
+        _thread.validate_args = Distribution._validate_args
+        Distribution.set_default_validate_args(False)
+    _thread.depth = depth + 1
+
+
+def pop() -> None:
+    _thread.depth -= 1
+    if _thread.depth == 0:
+        torch.overrides._pop_mode()
+        Distribution.set_default_validate_args(_thread.validate_args)
+
+
+# Tensor attributes and methods that describe a plain tensor: always run as they are (and
+# attribute writes, `__set__`: `W.data = ...`, `p.grad = None` rebind, they compute nothing).
+_DESCRIBE = frozenset("""size dim ndimension numel nelement element_size stride storage_offset
+    is_contiguous is_floating_point is_complex is_signed data_ptr untyped_storage __len__ __repr__
+    __format__ __hash__ __bool__ __int__ __float__ __index__ item tolist numpy __reduce_ex__
+    __deepcopy__ requires_grad_ retain_grad register_hook backward __setstate__ __getstate__
+    get_device __dlpack__ __array__ is_set_to __contains__ __iter__ __set__ detach to cpu cuda
+    type float double half bfloat16 pin_memory share_memory_ __reduce__""".split())
+# (detach / to / cpu... of a parameter itself: `state_dict()`, `model.to(...)`, checkpointing
+# inside a graph block work on the tensors, as they must; on an expression they are recorded.)
+# Those of them that read a tensor's values are recorded on a plain tensor the graph has
+# written into (`h[0] = x`, Graph.shadows): its storage does not hold what it now stands for.
+# (So do the properties that the write changed: `data`, and whether it now requires grad.)
+_SHADOWED_PROPERTIES = frozenset({"data", "requires_grad", "is_leaf"})
+_READS_VALUE = frozenset("""__repr__ __format__ __bool__ __int__ __float__ __index__ item tolist
+    numpy __reduce_ex__ __deepcopy__ __getstate__ __dlpack__ __array__ __contains__ __iter__
+    detach to cpu cuda type float double half bfloat16 pin_memory __reduce__""".split()
+                         ) | _SHADOWED_PROPERTIES
+assert _READS_VALUE - _SHADOWED_PROPERTIES <= _DESCRIBE
+_RECORDED_PROPERTIES = frozenset({"T", "mT", "H", "mH"})  # properties that compute a tensor
+# Calls that rebind what the graph's rules remember of a tensor without asking it again
+# (whether it is a parameter, an embedding table's size; `Store.forget`). They run as they are.
+_REBINDS = frozenset({"requires_grad_", "detach_", "set_", "resize_", "resize_as_"})
+_REBOUND_ATTRIBUTES = frozenset({"requires_grad", "data"})  # `p.requires_grad = False`, `.data =`
+
+
+def _forget(tensor) -> None:
+    if isinstance(tensor, torch.Tensor):
+        _before_write(tensor)  # what pending nodes read of it is what it holds before
+        for graph in list(live_graphs):  # rare: a handful of graphs at most are alive
+            if not graph.closed:
+                graph.forget(tensor)
+
+
+def _before_write(target) -> Callable[[], None] | None:
+    """Before `target` (a tensor, or a list of them: `torch._foreach_add_`) is written in place
+    or rebound (`W.data.copy_(...)`, `W.add_(...)` under no_grad, an optimizer's step, `W.data
+    = ...`): parameters and embedding tables are read when a forward runs, so the pending nodes
+    of a graph that reads its storage run first, and see what they would have seen eagerly.
+    A forward that fails leaves its nodes pending (it raises again at their value request,
+    unless this write is the fix: `W.data = W.data.float()`). Returns what to call after an
+    in-place write, when a graph holds rows taken as views of the tensor (`Graph.row_views`);
+    a rebinding calls nothing after: eager views keep the storage they were taken of."""
+    # (through the WeakSet's own set of references: iterating the WeakSet costs ~4 us)
+    graphs = [ref() for ref in live_graphs.data]
+    graphs = [g for g in graphs if g is not None and not g.closed]
+    pending = [g for g in graphs if g.n_done < g.n_nodes]
+    viewing = [g for g in graphs if g.row_views]
+    if not pending and not viewing:
+        return None
+    tensors = target if isinstance(target, (list, tuple)) else (target,)
+    with torch._C.DisableTorchFunction():
+        storages = {t.untyped_storage().data_ptr() for t in tensors
+                    if isinstance(t, torch.Tensor) and not t.is_meta}
+    storages.discard(0)  # no storage of its own (empty)
+    for graph in pending:
+        if storages and graph.reads_later(storages):
+            with contextlib.suppress(Exception):
+                graph.forward()
+    viewing = [g for g in viewing if not storages.isdisjoint(g.row_views)]
+    if not viewing:
+        return None
+
+    def after_write() -> None:
+        for graph in viewing:
+            if not graph.closed:
+                graph.refresh_row_views(storages)
+    return after_write
+
+
+# An optimizer's step inside a graph block updates the parameters themselves: capture stays out
+# of it (global step hooks of torch.optim; a step that raised is forgotten at the next push).
+def _step_begins(optimizer, args, kwargs) -> None:
+    _thread.optimizer_step = True
+
+
+def _step_ends(optimizer, args, kwargs) -> None:
+    _thread.optimizer_step = False
+
+
+_optimizer.register_optimizer_step_pre_hook(_step_begins)
+_optimizer.register_optimizer_step_post_hook(_step_ends)
+
+
+# A module's backward hooks (`register_full_backward_hook`, `..._pre_hook`, the old
+# `register_backward_hook`) would be given one instance's gradients, which a graph computes
+# batched: torch would drop them with a warning (or fail inside its hook set-up), so a call of
+# such a module inside a graph block is refused, naming it.
+def _outside_graphs(get_hooks: Callable) -> Callable:
+    """`nn.Module._get_backward_hooks` (or `_pre_hooks`), which a module call asks only when it
+    has such hooks, refused inside a graph block."""
+    def get(module: torch.nn.Module):
+        graph = _current.get()
+        if getattr(_thread, "depth", 0) and graph is not None and not graph.closed:
+            raise TypeError(f"{type(module).__name__} has backward hooks, which cannot be given "
+                            "one instance's gradients inside a graph block (they are computed "
+                            "batched); remove them there, or read .grad after backward")
+        return get_hooks(module)
+    return get
+
+
+torch.nn.Module._get_backward_hooks = _outside_graphs(torch.nn.Module._get_backward_hooks)
+torch.nn.Module._get_backward_pre_hooks = _outside_graphs(torch.nn.Module._get_backward_pre_hooks)
+
+
+# A module's buffer assigned an expression (`self.running = 0.9 * self.running + 0.1 * y`,
+# torch accepts any object with __torch_function__ as a buffer): the buffer becomes a new plain
+# tensor that stands for the expression (Graph.shadows), as eagerly it becomes the new tensor,
+# and holds its value once the graph closes, instead of an expression that outlives its graph.
+_register_buffer = torch.nn.Module.register_buffer
+
+
+def _register_buffer_of(module: torch.nn.Module, name: str, tensor: Any,
+                        persistent: bool = True) -> None:
+    if isinstance(tensor, Expression):
+        g = tensor.graph
+        g.node_of(tensor)  # (a closed graph's expression raises here)
+        with torch._C.DisableTorchFunction():
+            placeholder = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                      device=g.device or torch.device("cpu"))
+        g.shadow(placeholder, tensor)
+        tensor = placeholder
+    return _register_buffer(module, name, tensor, persistent)
+
+
+torch.nn.Module.register_buffer = _register_buffer_of
