@@ -1,0 +1,141 @@
+"""Fused Tree-LSTM cells with a hand-written batched backward: `fb.nn.TreeLSTMCell`'s N-ary
+cell and its leaf, as kernels of a whole launch.
+
+A launch of the N-ary cell (children's `[h; c]` each [B, 2H]) is, forward: the children's h
+side by side (one copy, [B, N H]), the gate GEMMs (`iou` = children U_iou^T: one product; the
+forget gates `f_k` = h_k U_f[k]^T: one batched product over k; plus x W_iou^T with a node
+input), then ONE pass in the core (csrc/tree_lstm.cpp) for all the elementwise work: biases,
+sigmoid and tanh, c = i*u + sum_k f_k*c_k, tanh(c), h. Backward is one core pass for every
+elementwise gradient (the pre-activations', the children's dc, the biases' as column sums),
+then the dX GEMMs (each child's dh = d_iou U_iou_k + d_f_k U_f[k]) and one call per weight for
+its dW. Saved for backward: the children's h side by side (dW's operand), the activated gates,
+tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of
+the same cell were ~25 ops and ~10 autograd nodes per launch, each a pass over memory and a
+dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine.
+
+The core's float32 sigmoid and tanh are its own (branch-free, vectorised; within a few ulp of
+torch's); float64 calls std::exp and std::tanh. CPU tensors of float32 or float64 take this
+path; other devices and dtypes keep the torch ops (`applies`). Its backward is
+`once_differentiable`: a double backward through it raises instead of being wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _core
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels compute a launch of these operands: CPU, one dtype, float32
+    or float64."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.float64) and all(
+        t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+
+
+def _c_side(hc: torch.Tensor, rows: int, H: int) -> tuple[int, int]:
+    """The address of a child's c (its `[h; c]` from column H) and its row stride, 0 where one
+    row serves every node of the launch."""
+    return hc.data_ptr() + H * hc.element_size(), (hc.stride(0) if hc.shape[0] == rows else 0)
+
+
+def _activate(iou: torch.Tensor, b_iou: torch.Tensor, f: torch.Tensor | None,
+              b_f: torch.Tensor | None, hcs: Sequence[torch.Tensor]) -> tuple:
+    """The core's forward pass over pre-activations `iou` [B, 3H] and `f` [N, B, H] (activated
+    in place): the output [B, 2H] and tanh(c) [B, H]."""
+    rows, H = iou.shape[0], iou.shape[1] // 3
+    out, tanh_c = iou.new_empty(rows, 2 * H), iou.new_empty(rows, H)
+    children = [v for hc in hcs for v in _c_side(hc, rows, H)]
+    _core.tree_lstm_forward(iou.data_ptr(), b_iou.data_ptr(), 0 if f is None else f.data_ptr(),
+                            0 if b_f is None else b_f.data_ptr(), out.data_ptr(),
+                            tanh_c.data_ptr(), rows, H, iou.dtype == torch.float64, *children)
+    return out, tanh_c
+
+
+def _gradients(grad: torch.Tensor, iou: torch.Tensor, f: torch.Tensor | None,
+               tanh_c: torch.Tensor, hcs: Sequence[torch.Tensor]) -> tuple:
+    """The core's backward pass: d_iou [B, 3H], d_f [N, B, H], the biases' gradients, and per
+    child a fresh [B, 2H] gradient whose c side is filled (its h side is the caller's)."""
+    rows, H = iou.shape[0], iou.shape[1] // 3
+    grad = grad.contiguous()
+    d_iou = torch.empty_like(iou)
+    d_f = None if f is None else torch.empty_like(f)
+    db_iou, db_f = iou.new_empty(3 * H), iou.new_empty(H)
+    d_hcs = [iou.new_empty(rows, 2 * H) for _ in hcs]
+    item = iou.element_size()
+    children = []
+    for hc, d_hc in zip(hcs, d_hcs):
+        children += [*_c_side(hc, rows, H), d_hc.data_ptr() + H * item, 2 * H]
+    _core.tree_lstm_backward(iou.data_ptr(), 0 if f is None else f.data_ptr(),
+                             tanh_c.data_ptr(), grad.data_ptr(), d_iou.data_ptr(),
+                             0 if d_f is None else d_f.data_ptr(), db_iou.data_ptr(),
+                             db_f.data_ptr(), rows, H, iou.dtype == torch.float64, *children)
+    return d_iou, d_f, db_iou, db_f, d_hcs
+
+
+class Leaf(torch.autograd.Function):
+    """`apply(x [B, D], W_iou [3H, D], b_iou [3H])`: the leaf's `[h; c]` [B, 2H], with
+    c = sigmoid(i) * tanh(u), h = sigmoid(o) * tanh(c). Saved: x, the gates, tanh(c)."""
+
+    @staticmethod
+    def forward(ctx, x, w_iou, b_iou):
+        iou = x.mm(w_iou.t())
+        out, tanh_c = _activate(iou, b_iou.contiguous(), None, None, ())
+        ctx.save_for_backward(x, w_iou, iou, tanh_c)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the core's pass is outside autograd: no double backward through it
+    def backward(ctx, grad):
+        x, w_iou, iou, tanh_c = ctx.saved_tensors
+        d_iou, _, db_iou, _, _ = _gradients(grad, iou, None, tanh_c, ())
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = d_iou.mm(w_iou) if need_x else None
+        dw = d_iou.t().mm(x) if need_w else None
+        return dx, dw, db_iou if need_b else None
+
+
+class Nary(torch.autograd.Function):
+    """`apply(x or None, U_iou [3H, N H], U_f [N, H, H], b_iou [3H], b_f [H], W_iou or None,
+    *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's `[h; c]` (each [B, 2H], or
+    [1, 2H]: one child every node reads), with the node inputs x [B, D] if given."""
+
+    @staticmethod
+    def forward(ctx, x, u_iou, u_f, b_iou, b_f, w_iou, *hcs):
+        n, H = len(hcs), u_f.shape[-1]
+        rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
+        children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1)  # [B, N H]
+        iou = children.mm(u_iou.t())
+        if x is not None:
+            iou.addmm_(x, w_iou.t())
+        by_child = children.view(rows, n, H).transpose(0, 1)  # [N, B, H], no copy
+        f = torch.bmm(by_child, u_f.transpose(1, 2))
+        out, tanh_c = _activate(iou, b_iou.contiguous(), f, b_f.contiguous(), hcs)
+        ctx.save_for_backward(children, x, u_iou, u_f, w_iou, iou, f, tanh_c, *hcs)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the core's pass is outside autograd: no double backward through it
+    def backward(ctx, grad):
+        children, x, u_iou, u_f, w_iou, iou, f, tanh_c, *hcs = ctx.saved_tensors
+        n, H = len(hcs), u_f.shape[-1]
+        d_iou, d_f, db_iou, db_f, d_hcs = _gradients(grad, iou, f, tanh_c, hcs)
+        need = ctx.needs_input_grad
+        # Each child's dh, written into its gradient's h side: d_iou U_iou_k (all children's
+        # in one product), plus d_f_k U_f[k].
+        dh = d_iou.mm(u_iou)
+        for k, d_hc in enumerate(d_hcs):
+            torch.addmm(dh[:, k * H:(k + 1) * H], d_f[k], u_f[k], out=d_hc[:, :H])
+        d_hcs = [d if hc.shape[0] == d.shape[0] else d.sum(0, keepdim=True)
+                 for hc, d in zip(hcs, d_hcs)]
+        dx = d_iou.mm(w_iou) if x is not None and need[0] else None
+        du_iou = d_iou.t().mm(children) if need[1] else None
+        du_f = torch.bmm(d_f.transpose(1, 2), children.view(-1, n, H).transpose(0, 1)) \
+            if need[2] else None
+        dw_iou = d_iou.t().mm(x) if x is not None and need[5] else None
+        return (dx, du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None,
+                dw_iou, *d_hcs)
