@@ -398,19 +398,11 @@ def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([torch.sigmoid(o) * torch.tanh(cell), cell], 1)
 
 
-def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether a Tree-LSTM launch runs `tree_lstm`'s fused kernels (CPU, float32 or float64)
-    rather than the torch ops below: not where a GEMM mode other than the default is chosen,
-    whose products are `kernels.linear`'s."""
-    return kernels.get_gemm() == "default" and tree_lstm.applies(*tensors)
-
-
 def _tree_leaf_kernel(xs, attr, shape):
     x, w, b = xs
     w, b = w.squeeze(0), b.squeeze(0)
-    if _fused(x, w, b):
-        kernels.flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
-        return tree_lstm.Leaf.apply(x, w, b)
+    if tree_lstm.fused(x, w, b):
+        return tree_lstm.leaf(x, w, b)
     return _finish(kernels.linear(x, w, b), None)
 
 
@@ -418,9 +410,9 @@ def _nary_kernel(xs, attr, shape):
     n, has_x = attr
     x = xs[n] if has_x else None
     u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
-    if _fused(*xs):
-        return _fused_nary(xs[:n], x, u_iou.squeeze(0), u_f.squeeze(0), b_iou.squeeze(0),
-                           b_f.squeeze(0), xs[-1].squeeze(0) if has_x else None)
+    if tree_lstm.fused(*xs):
+        return tree_lstm.nary(xs[:n], x, u_iou.squeeze(0), u_f.squeeze(0), b_iou.squeeze(0),
+                              b_f.squeeze(0), xs[-1].squeeze(0) if has_x else None)
     size = max(t.shape[0] for t in xs[:n])
     # A child every node reads is one row; expanded only then (an expand is an autograd node).
     hcs = [hc if hc.shape[0] == size else hc.expand(size, -1) for hc in xs[:n]]
@@ -438,21 +430,6 @@ def _nary_kernel(xs, attr, shape):
     # Summed from the first term, not from sum()'s 0: `0 + t` is a pass and an autograd node.
     # (addcmul would save the adds' passes, but its backward multiplies by its scalar too.)
     return _finish(iou, sum(fcs[1:], fcs[0]))
-
-
-def _fused_nary(hcs, x, u_iou, u_f, b_iou, b_f, w_iou) -> torch.Tensor:
-    """`tree_lstm.Nary` over a launch, its products counted as `_nary_kernel` counts them."""
-    rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
-    H = u_f.shape[-1]
-    children = next((hc for hc in hcs if hc.requires_grad), hcs[0])  # cat(h)'s grad: any
-    kernels.flops.add(rows * u_iou.shape[0], u_iou.shape[1], children, u_iou)
-    for hc in hcs:
-        kernels.flops.add(rows * H, H, hc, u_f)
-    if x is not None:
-        kernels.flops.add(rows * w_iou.shape[0], w_iou.shape[1], x, w_iou)
-        if x.shape[0] != rows:  # one node input every node reads
-            x = x.expand(rows, -1)
-    return tree_lstm.Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *hcs)
 
 
 def _child_sum_kernel(xs, lengths, shape):

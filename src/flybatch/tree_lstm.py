@@ -14,9 +14,14 @@ the same cell were ~25 ops and ~10 autograd nodes per launch, each a pass over m
 dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine.
 
 The core's float32 sigmoid and tanh are its own (branch-free, vectorised; within a few ulp of
-torch's); float64 calls std::exp and std::tanh. CPU tensors of float32 or float64 take this
-path; other devices and dtypes keep the torch ops (`applies`). Its backward is
-`once_differentiable`: a double backward through it raises instead of being wrong.
+torch's); float64 calls std::exp and std::tanh. Its backward is `once_differentiable`: a
+double backward through it raises instead of being wrong.
+
+The path: `set_tree_lstm("fused" | "torch")` or the environment variable FLYBATCH_TREE_LSTM.
+"fused" (the default) applies to CPU tensors of float32 or float64 under the default GEMM mode
+(another mode's products are `kernels.linear`'s); elsewhere, and under "torch", the cells run
+as torch ops under autograd (fb.nn's `_nary_kernel` and `_tree_leaf_kernel`).
+`tree_lstm_counts` counts the launches per path, so a benchmark can say which ran.
 """
 
 from __future__ import annotations
@@ -26,15 +31,58 @@ from typing import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _core
+from . import _core, kernels
+
+TREE_LSTM_PATHS = ("fused", "torch")
+tree_lstm_counts: dict[str, int] = {"fused": 0, "torch": 0}
+_path = kernels.KernelChoice("set_tree_lstm", "path", TREE_LSTM_PATHS, "FLYBATCH_TREE_LSTM",
+                             "fused")
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels compute a launch of these operands: CPU, one dtype, float32
+def set_tree_lstm(path: str) -> None:
+    """Force the Tree-LSTM cells' kernels: "fused" (this module's, where they apply) or
+    "torch" (torch ops under autograd)."""
+    _path.set(path)
+
+
+def get_tree_lstm() -> str:
+    return _path.get()
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether a launch over these operands runs the fused kernels (counted in
+    `tree_lstm_counts`): path "fused", the default GEMM mode, CPU tensors of one dtype, float32
     or float64."""
     dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.float64) and all(
+    applies = _path.choice == "fused" and kernels.get_gemm() == "default" and dtype in (
+        torch.float32, torch.float64) and all(
         t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+    tree_lstm_counts["fused" if applies else "torch"] += 1
+    return applies
+
+
+def leaf(x: torch.Tensor, w_iou: torch.Tensor, b_iou: torch.Tensor) -> torch.Tensor:
+    """A launch of the leaf (`Leaf`), its product counted in `kernels.flops`."""
+    kernels.flops.add(x.shape[0] * w_iou.shape[0], x.shape[1], x, w_iou)
+    return Leaf.apply(x, w_iou, b_iou)
+
+
+def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tensor,
+         u_f: torch.Tensor, b_iou: torch.Tensor, b_f: torch.Tensor,
+         w_iou: torch.Tensor | None) -> torch.Tensor:
+    """A launch of the N-ary cell (`Nary`), its products counted in `kernels.flops` as the
+    torch ops count them."""
+    rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
+    H = u_f.shape[-1]
+    children = next((hc for hc in hcs if hc.requires_grad), hcs[0])  # cat(h)'s grad: any
+    kernels.flops.add(rows * u_iou.shape[0], u_iou.shape[1], children, u_iou)
+    for hc in hcs:
+        kernels.flops.add(rows * H, H, hc, u_f)
+    if x is not None:
+        kernels.flops.add(rows * w_iou.shape[0], w_iou.shape[1], x, w_iou)
+        if x.shape[0] != rows:  # one node input that every node reads
+            x = x.expand(rows, -1)
+    return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *hcs)
 
 
 def _c_side(hc: torch.Tensor, rows: int, H: int) -> tuple[int, int]:
