@@ -245,7 +245,7 @@ def test_lstm_length_groups_split_and_join_back_with_zeros_past_each_end():
 # ---- Tree-LSTMs ----------------------------------------------------------------------------------
 @pytest.fixture(params=tree_lstm.TREE_LSTM_PATHS)
 def tree_path(request):
-    """Each test of an N-ary fb.nn.TreeLSTMCell runs on both kernels of its cells
+    """Each test of an fb.nn.TreeLSTMCell runs on both kernels of its cells
     (flybatch/tree_lstm.py's fused ones, and torch ops), and "fused" must have run."""
     before, launches = tree_lstm.get_tree_lstm(), dict(tree_lstm.tree_lstm_counts)
     tree_lstm.set_tree_lstm(request.param)
@@ -318,7 +318,7 @@ def child_sum_tree_lstm(B, blocks, tree):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_child_sum_tree_lstm_matches_its_equations(strategy):
+def test_child_sum_tree_lstm_matches_its_equations(strategy, tree_path):
     cell = seeded(fb.nn.TreeLSTMCell(IN, H, child_sum=True).double())
     same_as_eager(strategy, [cell], child_sum_tree_lstm, NARY_TREES)
 

@@ -71,6 +71,46 @@ def test_nary_passes_gradcheck_in_float64(n, with_x, shared):
     assert torch.autograd.gradcheck(lambda *xs: nary("fused", xs, n, with_x), xs)
 
 
+def child_sum_operands(lengths, shared=False, dtype=F64, seed=0):
+    """A child-sum launch's operands as fb.nn's kernel gets them: x, the parameters [1, ...],
+    then every node's children's [h; c], flat (one row every child is, if `shared`)."""
+    children = 1 if shared else sum(lengths)
+    return tensors((len(lengths), D), (1, 3 * H, D), (1, 3 * H, H), (1, H, D), (1, H, H),
+                   (1, 3 * H), (1, H), *([(children, 2 * H)] if sum(lengths) else []),
+                   dtype=dtype, seed=seed)
+
+
+def child_sum(path, xs, lengths):
+    return on_path(path, fb.nn._child_sum_kernel, xs, np.array(lengths), (2 * H,))
+
+
+CHILD_SUM_CASES = {"ragged": ([2, 0, 3, 1], False), "a-shared-child": ([1, 2], True),
+                   "no-children": ([0, 0], False)}
+
+
+@pytest.mark.parametrize("lengths, shared", CHILD_SUM_CASES.values(), ids=CHILD_SUM_CASES.keys())
+def test_child_sum_passes_gradcheck_in_float64(lengths, shared):
+    xs = child_sum_operands(lengths, shared)
+    assert torch.autograd.gradcheck(lambda *xs: child_sum("fused", xs, lengths), xs)
+
+
+@pytest.mark.parametrize("lengths, shared", CHILD_SUM_CASES.values(), ids=CHILD_SUM_CASES.keys())
+def test_a_float32_child_sum_launch_equals_the_torch_ops_launch(lengths, shared):
+    xs = child_sum_operands(lengths, shared, dtype=torch.float32)
+    dy = torch.randn(len(lengths), 2 * H)
+    got, want = [], []
+    for path, results in (("fused", got), ("torch", want)):
+        kernels.flops.reset()
+        y = child_sum(path, xs, lengths)
+        results += [y, *torch.autograd.grad(y, xs, dy, allow_unused=True), kernels.flops.total]
+    assert got[-1] == want[-1]
+    for ours, theirs in zip(got[:-1], want[:-1]):
+        if theirs is None:  # W_f, U_f, b_f where no node has children
+            assert ours is None or not ours.any()
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n, with_x, shared", NARY_CASES.values(), ids=NARY_CASES.keys())
 def test_a_float32_launch_equals_the_torch_ops_launch(n, with_x, shared):
     xs = nary_operands(n, with_x, rows=7, shared=shared, dtype=torch.float32)
@@ -100,6 +140,8 @@ def test_a_float32_leaf_equals_the_torch_ops_leaf():
 def test_a_launch_is_one_autograd_node():
     y = nary("fused", nary_operands(2, False), 2, False)
     assert type(y.grad_fn).__name__ == "NaryBackward"
+    y = child_sum("fused", child_sum_operands([1, 2]), [1, 2])
+    assert type(y.grad_fn).__name__ == "ChildSumBackward"
 
 
 def test_a_double_backward_raises_instead_of_getting_it_wrong():

@@ -435,6 +435,9 @@ def _nary_kernel(xs, attr, shape):
 def _child_sum_kernel(xs, lengths, shape):
     x, w_iou, u_iou, w_f, u_f, b_iou, b_f, *children = xs
     x = x.expand(len(lengths), -1)
+    if tree_lstm.fused(*xs):
+        return tree_lstm.child_sum(x, children[0] if children else None, lengths,
+                                   *(p.squeeze(0) for p in (w_iou, u_iou, w_f, u_f, b_iou, b_f)))
     iou = kernels.linear(x, w_iou.squeeze(0), b_iou.squeeze(0))
     if not children:  # no node of the batch has children
         return _finish(iou, None)

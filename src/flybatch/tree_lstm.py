@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -83,6 +84,22 @@ def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tenso
         if x.shape[0] != rows:  # one node input that every node reads
             x = x.expand(rows, -1)
     return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *hcs)
+
+
+def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
+              w_iou: torch.Tensor, u_iou: torch.Tensor, w_f: torch.Tensor, u_f: torch.Tensor,
+              b_iou: torch.Tensor, b_f: torch.Tensor) -> torch.Tensor:
+    """A launch of the child-sum cell (`ChildSum`; `Leaf` where no node has children): node r
+    has the `lengths[r]` next rows of `hc` (every node's children's [h; c], flat; one row
+    that every child is), its products counted in `kernels.flops` as the torch ops count them."""
+    if hc is None:
+        return leaf(x, w_iou, b_iou)
+    B, M, H = x.shape[0], int(lengths.sum()), u_f.shape[-1]
+    for rows, w, operand in ((B, w_iou, x), (B, u_iou, hc), (B, w_f, x), (M, u_f, hc)):
+        kernels.flops.add(rows * w.shape[0], w.shape[1], operand, w)
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    node = torch.repeat_interleave(torch.arange(B), torch.from_numpy(lengths))
+    return ChildSum.apply(offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, hc)
 
 
 def _c_side(hc: torch.Tensor, rows: int, H: int) -> tuple[int, int]:
@@ -187,3 +204,55 @@ class Nary(torch.autograd.Function):
         dw_iou = d_iou.t().mm(x) if x is not None and need[5] else None
         return (dx, du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None,
                 dw_iou, *d_hcs)
+
+
+class ChildSum(torch.autograd.Function):
+    """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f, hc)`: the child-sum
+    cell's `[h; c]` [B, 2H], node r's children the rows offsets[r]..offsets[r + 1] - 1 of `hc`
+    [M, 2H] (or [1, 2H]: one row every child is), `node` the node of each child:
+        i, o, u from W_iou x + U_iou sum_m h_m + b_iou;  f_m = sigmoid(W_f x + U_f h_m + b_f).
+    Saved: x, the sum of each node's h, the gates, tanh(c) and `hc` itself."""
+
+    @staticmethod
+    def forward(ctx, offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, hc):
+        B, M, H = x.shape[0], node.shape[0], u_f.shape[-1]
+        h = hc[:, :H].expand(M, H)
+        h_sum = h.new_zeros(B, H).index_add_(0, node, h)
+        iou = x.mm(w_iou.t()).addmm_(h_sum, u_iou.t())
+        fx = torch.addmm(b_f, x, w_f.t())  # the forget gates' node part, bias included
+        f = h.mm(u_f.t())
+        out, tanh_c = iou.new_empty(B, 2 * H), iou.new_empty(B, H)
+        _core.tree_lstm_child_sum_forward(
+            iou.data_ptr(), b_iou.contiguous().data_ptr(), f.data_ptr(), fx.data_ptr(),
+            out.data_ptr(), tanh_c.data_ptr(), *_c_side(hc, M, H), offsets.data_ptr(), B, H,
+            iou.dtype == torch.float64)
+        ctx.save_for_backward(offsets, node, x, h_sum, w_iou, u_iou, w_f, u_f, iou, f, tanh_c,
+                              hc)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the core's pass is outside autograd: no double backward through it
+    def backward(ctx, grad):
+        offsets, node, x, h_sum, w_iou, u_iou, w_f, u_f, iou, f, tanh_c, hc = ctx.saved_tensors
+        B, M, H = x.shape[0], node.shape[0], u_f.shape[-1]
+        grad = grad.contiguous()
+        d_iou, d_f, d_fx = torch.empty_like(iou), torch.empty_like(f), iou.new_empty(B, H)
+        db_iou, db_f = iou.new_empty(3 * H), iou.new_empty(H)
+        d_hc = iou.new_empty(M, 2 * H)
+        _core.tree_lstm_child_sum_backward(
+            iou.data_ptr(), f.data_ptr(), tanh_c.data_ptr(), grad.data_ptr(), d_iou.data_ptr(),
+            d_f.data_ptr(), d_fx.data_ptr(), db_iou.data_ptr(), db_f.data_ptr(),
+            *_c_side(hc, M, H), d_hc.data_ptr() + H * iou.element_size(), 2 * H,
+            offsets.data_ptr(), B, H, iou.dtype == torch.float64)
+        need = ctx.needs_input_grad[2:]
+        # Each child's dh: its node's d_iou U_iou (the sum's gradient) plus its d_f U_f.
+        torch.addmm(d_iou.mm(u_iou).index_select(0, node), d_f, u_f, out=d_hc[:, :H])
+        if hc.shape[0] != M:
+            d_hc = d_hc.sum(0, keepdim=True)
+        dx = d_iou.mm(w_iou).addmm_(d_fx, w_f) if need[0] else None
+        dw_iou = d_iou.t().mm(x) if need[1] else None
+        du_iou = d_iou.t().mm(h_sum) if need[2] else None
+        dw_f = d_fx.t().mm(x) if need[3] else None
+        du_f = d_f.t().mm(hc[:, :H].expand(M, H)) if need[4] else None
+        return (None, None, dx, dw_iou, du_iou, dw_f, du_f, db_iou if need[5] else None,
+                db_f if need[6] else None, d_hc)
