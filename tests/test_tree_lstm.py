@@ -200,7 +200,7 @@ def test_float32_activations_keep_a_nan_a_nan():
     assert np.isnan(leaf_gate(np.float32([np.nan]), 0)).all()
 
 
-# ---- the path --------------------------------------------------------------------------------------
+# ---- the path ------------------------------------------------------------------------------------
 def test_other_dtypes_and_the_torch_path_run_torch_ops():
     xs = nary_operands(2, False, dtype=torch.bfloat16)
     assert type(nary("fused", xs, 2, False).grad_fn).__name__ != "NaryBackward"

@@ -1,5 +1,5 @@
 """Fused Tree-LSTM cells with a hand-written batched backward: `fb.nn.TreeLSTMCell`'s N-ary
-cell and its leaf, as kernels of a whole launch.
+cell, its leaf and the child-sum cell, as kernels of a whole launch.
 
 A launch of the N-ary cell (children's `[h; c]` each [B, 2H]) is, forward: the children's h
 side by side (one copy, [B, N H]), the gate GEMMs (`iou` = children U_iou^T: one product; the
@@ -10,8 +10,17 @@ elementwise gradient (the pre-activations', the children's dc, the biases' as co
 then the dX GEMMs (each child's dh = d_iou U_iou_k + d_f_k U_f[k]) and one call per weight for
 its dW. Saved for backward: the children's h side by side (dW's operand), the activated gates,
 tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of
-the same cell were ~25 ops and ~10 autograd nodes per launch, each a pass over memory and a
-dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine.
+the same cell were ~25 ops forward and ~20 autograd nodes per launch, each a pass over memory
+and a dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine. The child-sum
+cell is the same around its own products (the sum of each node's h by `index_add_`, then
+x W^T and that sum U_iou^T; every child's h U_f^T), its pass walking each node's children.
+
+Why not ONE product for all the gates: the forget gates read one child each (U_f[k] h_k), so a
+single [B, N H] x [N H, 3H + N H] product would multiply the off-diagonal blocks of a
+block-diagonal weight, +25% FLOPs for a binary cell, on a step that is mostly GEMM time; and
+a per-child product with [U_iou_k; U_f[k]] stacked needs a copy of the weights per launch (or
+per parameter version) and its dW split back. Measured alone (one core, H 256), the batched
+forget product costs what two `mm` calls cost.
 
 The core's float32 sigmoid and tanh are its own (branch-free, vectorised; within a few ulp of
 torch's); float64 calls std::exp and std::tanh. Its backward is `once_differentiable`: a
@@ -20,7 +29,7 @@ double backward through it raises instead of being wrong.
 The path: `set_tree_lstm("fused" | "torch")` or the environment variable FLYBATCH_TREE_LSTM.
 "fused" (the default) applies to CPU tensors of float32 or float64 under the default GEMM mode
 (another mode's products are `kernels.linear`'s); elsewhere, and under "torch", the cells run
-as torch ops under autograd (fb.nn's `_nary_kernel` and `_tree_leaf_kernel`).
+as torch ops under autograd (fb.nn's `_nary_kernel`, `_tree_leaf_kernel`, `_child_sum_kernel`).
 `tree_lstm_counts` counts the launches per path, so a benchmark can say which ran.
 """
 
