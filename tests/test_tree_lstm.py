@@ -137,6 +137,17 @@ def test_a_float32_leaf_equals_the_torch_ops_leaf():
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+def test_children_of_any_strides_are_read_as_their_values():
+    xs = nary_operands(2, False)
+    strided = [xs[0], xs[1].detach().t().contiguous().t().requires_grad_(), *xs[2:]]
+    assert strided[1].stride(1) != 1
+    dy = torch.randn(3, 2 * H, dtype=F64)
+    y = nary("fused", strided, 2, False)
+    torch.testing.assert_close(y, nary("torch", xs, 2, False))
+    torch.testing.assert_close(torch.autograd.grad(y, strided[1], dy)[0],
+                               torch.autograd.grad(nary("torch", xs, 2, False), xs[1], dy)[0])
+
+
 def test_a_launch_is_one_autograd_node():
     y = nary("fused", nary_operands(2, False), 2, False)
     assert type(y.grad_fn).__name__ == "NaryBackward"

@@ -92,7 +92,7 @@ def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tenso
         kernels.flops.add(rows * w_iou.shape[0], w_iou.shape[1], x, w_iou)
         if x.shape[0] != rows:  # one node input that every node reads
             x = x.expand(rows, -1)
-    return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *hcs)
+    return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *map(_rows_of_columns, hcs))
 
 
 def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
@@ -108,7 +108,13 @@ def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
         kernels.flops.add(rows * w.shape[0], w.shape[1], operand, w)
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     node = torch.repeat_interleave(torch.arange(B), torch.from_numpy(lengths))
-    return ChildSum.apply(offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, hc)
+    return ChildSum.apply(offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f,
+                          _rows_of_columns(hc))
+
+
+def _rows_of_columns(hc: torch.Tensor) -> torch.Tensor:
+    """`hc` with adjacent columns, as the core's passes read each row (a copy only where not)."""
+    return hc if hc.stride(1) == 1 else hc.contiguous()
 
 
 def _c_side(hc: torch.Tensor, rows: int, H: int) -> tuple[int, int]:
