@@ -1,25 +1,30 @@
-// The elementwise work of a Tree-LSTM cell (flybatch/tree_lstm.py), forward and backward, each
-// ONE pass over a launch's rows, on the raw memory of torch tensors. The gate products are GEMMs
-// run by torch before (forward) and after (backward) a pass; a pass does everything between them:
-// biases, activations, the forget-gated sum of the children's cells, tanh(c), h, and in backward
-// every pre-activation gradient, the children's dc and the bias gradients (column sums).
+// The elementwise work of the Tree-LSTM cells (flybatch/tree_lstm.py), forward and backward,
+// each ONE pass over a launch's rows, on the raw memory of torch tensors. The gate products are
+// GEMMs run by torch before (forward) and after (backward) a pass; a pass does everything between
+// them: biases, activations, the forget-gated sum of the children's cells, tanh(c), h, and in
+// backward every pre-activation gradient, the children's dc and the bias gradients (column sums).
 //
 // Gates of a row, as the N-ary cell (and the leaf, N = 0) computes them, pre-activations from
 // the GEMMs plus the biases:
 //   i = sigmoid(iou_i), o = sigmoid(iou_o), u = tanh(iou_u), f_k = sigmoid(f_k),
 //   c = i*u + sum_k f_k*c_k,  h = o*tanh(c);   output row [h; c].
-// The forward overwrites the pre-activations with the activations (backward's operands) and
-// writes tanh(c); the backward needs nothing else but the children's c.
+// The child-sum cell is the same over each node's own number of children, its forget gates'
+// pre-activations U_f h_m + (W_f x + b_f). The forward overwrites the pre-activations with the
+// activations (backward's operands) and writes tanh(c); the backward needs nothing else but the
+// children's c. A node's row is done in steps of one loop each (gates, each child's forget
+// gate, the output), over data that stays in L1.
 //
 // float32 evaluates exp, sigmoid and tanh with the branch-free functions below, which the
 // compiler vectorises (torch.tanh costs ~2 ns an element on the benchmark machine, 10x its
 // sigmoid); float64 calls std::exp and std::tanh. target_clones picks AVX-512 or AVX2 at load
-// time without -march=native; there is no -ffast-math, so the arithmetic is as written.
+// time without -march=native; there is no -ffast-math, so the arithmetic is as written. At the
+// build's flags GCC 12 vectorises every loop of the float32 passes in each clone (64-, 32- and
+// 16-byte vectors; checked with -fopt-info-vec-optimized); the float64 forward stays scalar.
 #include "store.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
