@@ -57,7 +57,7 @@ def leaf(path, xs):
 
 # ---- gradients -----------------------------------------------------------------------------------
 def test_leaf_passes_gradcheck_in_float64():
-    x, w, b = tensors((3, D), (3 * H, D), (3 * H,))
+    x, w, b = tensors((3, D), (1, 3 * H, D), (1, 3 * H))
     assert torch.autograd.gradcheck(tree_lstm.Leaf.apply, (x, w, b))
 
 
@@ -148,11 +148,14 @@ def test_children_of_any_strides_are_read_as_their_values():
                                torch.autograd.grad(nary("torch", xs, 2, False), xs[1], dy)[0])
 
 
-def test_a_launch_is_one_autograd_node():
-    y = nary("fused", nary_operands(2, False), 2, False)
-    assert type(y.grad_fn).__name__ == "NaryBackward"
-    y = child_sum("fused", child_sum_operands([1, 2]), [1, 2])
-    assert type(y.grad_fn).__name__ == "ChildSumBackward"
+def test_a_launch_is_one_autograd_node_over_its_operands():
+    """No squeeze or split between the launch's node and its operands, parameters included."""
+    for y, name in ((nary("fused", nary_operands(2, True), 2, True), "NaryBackward"),
+                    (child_sum("fused", child_sum_operands([1, 2]), [1, 2]), "ChildSumBackward"),
+                    (leaf("fused", tensors((2, D), (1, 3 * H, D), (1, 3 * H))), "LeafBackward")):
+        assert type(y.grad_fn).__name__ == name
+        inputs = [type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None]
+        assert set(inputs) == {"AccumulateGrad"}
 
 
 def test_a_double_backward_raises_instead_of_getting_it_wrong():
@@ -182,7 +185,7 @@ def leaf_gate(values: np.ndarray, gate: int) -> np.ndarray:
     w[gate * width:(gate + 1) * width] = torch.eye(width)
     b[gate * width:(gate + 1) * width] = 0.0
     with torch.no_grad():
-        c = tree_lstm.Leaf.apply(x, w, b)[:, width:]
+        c = tree_lstm.Leaf.apply(x, w[None], b[None])[:, width:]
     return c.reshape(-1).numpy()[:len(values)]
 
 

@@ -400,10 +400,9 @@ def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
 
 def _tree_leaf_kernel(xs, attr, shape):
     x, w, b = xs
-    w, b = w.squeeze(0), b.squeeze(0)
     if tree_lstm.fused(x, w, b):
         return tree_lstm.leaf(x, w, b)
-    return _finish(kernels.linear(x, w, b), None)
+    return _finish(kernels.linear(x, w.squeeze(0), b.squeeze(0)), None)
 
 
 def _nary_kernel(xs, attr, shape):
@@ -411,8 +410,7 @@ def _nary_kernel(xs, attr, shape):
     x = xs[n] if has_x else None
     u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
     if tree_lstm.fused(*xs):
-        return tree_lstm.nary(xs[:n], x, u_iou.squeeze(0), u_f.squeeze(0), b_iou.squeeze(0),
-                              b_f.squeeze(0), xs[-1].squeeze(0) if has_x else None)
+        return tree_lstm.nary(xs[:n], x, u_iou, u_f, b_iou, b_f, xs[-1] if has_x else None)
     size = max(t.shape[0] for t in xs[:n])
     # A child every node reads is one row; expanded only then (an expand is an autograd node).
     hcs = [hc if hc.shape[0] == size else hc.expand(size, -1) for hc in xs[:n]]
@@ -434,10 +432,11 @@ def _nary_kernel(xs, attr, shape):
 
 def _child_sum_kernel(xs, lengths, shape):
     x, w_iou, u_iou, w_f, u_f, b_iou, b_f, *children = xs
-    x = x.expand(len(lengths), -1)
+    if x.shape[0] != len(lengths):  # one input every node reads (an expand is an autograd node)
+        x = x.expand(len(lengths), -1)
     if tree_lstm.fused(*xs):
-        return tree_lstm.child_sum(x, children[0] if children else None, lengths,
-                                   *(p.squeeze(0) for p in (w_iou, u_iou, w_f, u_f, b_iou, b_f)))
+        return tree_lstm.child_sum(x, children[0] if children else None, lengths, w_iou, u_iou,
+                                   w_f, u_f, b_iou, b_f)
     iou = kernels.linear(x, w_iou.squeeze(0), b_iou.squeeze(0))
     if not children:  # no node of the batch has children
         return _finish(iou, None)

@@ -71,9 +71,14 @@ def fused(*tensors: torch.Tensor) -> bool:
     return applies
 
 
+# The launches' parameters are batches of one ([1, ...]), as kernels get them: the Functions
+# take them so, and index the parameter inside their forward (a squeeze outside would be one
+# more autograd node per parameter and launch: 72 a step of the treelstm benchmark).
+
+
 def leaf(x: torch.Tensor, w_iou: torch.Tensor, b_iou: torch.Tensor) -> torch.Tensor:
     """A launch of the leaf (`Leaf`), its product counted in `kernels.flops`."""
-    kernels.flops.add(x.shape[0] * w_iou.shape[0], x.shape[1], x, w_iou)
+    kernels.flops.add(x.shape[0] * w_iou.shape[1], x.shape[1], x, w_iou)
     return Leaf.apply(x, w_iou, b_iou)
 
 
@@ -85,11 +90,11 @@ def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tenso
     rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
     H = u_f.shape[-1]
     children = next((hc for hc in hcs if hc.requires_grad), hcs[0])  # cat(h)'s grad: any
-    kernels.flops.add(rows * u_iou.shape[0], u_iou.shape[1], children, u_iou)
+    kernels.flops.add(rows * u_iou.shape[1], u_iou.shape[2], children, u_iou)
     for hc in hcs:
         kernels.flops.add(rows * H, H, hc, u_f)
     if x is not None:
-        kernels.flops.add(rows * w_iou.shape[0], w_iou.shape[1], x, w_iou)
+        kernels.flops.add(rows * w_iou.shape[1], w_iou.shape[2], x, w_iou)
         if x.shape[0] != rows:  # one node input that every node reads
             x = x.expand(rows, -1)
     return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *map(_rows_of_columns, hcs))
@@ -105,11 +110,16 @@ def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
         return leaf(x, w_iou, b_iou)
     B, M, H = x.shape[0], int(lengths.sum()), u_f.shape[-1]
     for rows, w, operand in ((B, w_iou, x), (B, u_iou, hc), (B, w_f, x), (M, u_f, hc)):
-        kernels.flops.add(rows * w.shape[0], w.shape[1], operand, w)
+        kernels.flops.add(rows * w.shape[1], w.shape[2], operand, w)
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     node = torch.repeat_interleave(torch.arange(B), torch.from_numpy(lengths))
     return ChildSum.apply(offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f,
                           _rows_of_columns(hc))
+
+
+def _batch_of_one(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's gradient as the gradient of its [1, ...] batch."""
+    return None if grad is None else grad.unsqueeze(0)
 
 
 def _rows_of_columns(hc: torch.Tensor) -> torch.Tensor:
@@ -158,11 +168,12 @@ def _gradients(grad: torch.Tensor, iou: torch.Tensor, f: torch.Tensor | None,
 
 
 class Leaf(torch.autograd.Function):
-    """`apply(x [B, D], W_iou [3H, D], b_iou [3H])`: the leaf's `[h; c]` [B, 2H], with
+    """`apply(x [B, D], W_iou [1, 3H, D], b_iou [1, 3H])`: the leaf's `[h; c]` [B, 2H], with
     c = sigmoid(i) * tanh(u), h = sigmoid(o) * tanh(c). Saved: x, the gates, tanh(c)."""
 
     @staticmethod
     def forward(ctx, x, w_iou, b_iou):
+        w_iou, b_iou = w_iou[0], b_iou[0]
         iou = x.mm(w_iou.t())
         out, tanh_c = _activate(iou, b_iou.contiguous(), None, None, ())
         ctx.save_for_backward(x, w_iou, iou, tanh_c)
@@ -176,16 +187,18 @@ class Leaf(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         dx = d_iou.mm(w_iou) if need_x else None
         dw = d_iou.t().mm(x) if need_w else None
-        return dx, dw, db_iou if need_b else None
+        return dx, _batch_of_one(dw), _batch_of_one(db_iou if need_b else None)
 
 
 class Nary(torch.autograd.Function):
-    """`apply(x or None, U_iou [3H, N H], U_f [N, H, H], b_iou [3H], b_f [H], W_iou or None,
-    *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's `[h; c]` (each [B, 2H], or
+    """`apply(x or None, U_iou [1, 3H, N H], U_f [1, N, H, H], b_iou [1, 3H], b_f [1, H],
+    W_iou [1, 3H, D] or None, *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's `[h; c]` (each [B, 2H], or
     [1, 2H]: one child every node reads), with the node inputs x [B, D] if given."""
 
     @staticmethod
     def forward(ctx, x, u_iou, u_f, b_iou, b_f, w_iou, *hcs):
+        u_iou, u_f, b_iou, b_f = u_iou[0], u_f[0], b_iou[0], b_f[0]
+        w_iou = None if w_iou is None else w_iou[0]
         n, H = len(hcs), u_f.shape[-1]
         rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
         children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1)  # [B, N H]
@@ -217,12 +230,13 @@ class Nary(torch.autograd.Function):
         du_f = torch.bmm(d_f.transpose(1, 2), children.view(-1, n, H).transpose(0, 1)) \
             if need[2] else None
         dw_iou = d_iou.t().mm(x) if x is not None and need[5] else None
-        return (dx, du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None,
-                dw_iou, *d_hcs)
+        weights = (du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None, dw_iou)
+        return (dx, *map(_batch_of_one, weights), *d_hcs)
 
 
 class ChildSum(torch.autograd.Function):
-    """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f, hc)`: the child-sum
+    """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f (each [1, ...]), hc)`:
+    the child-sum
     cell's `[h; c]` [B, 2H], node r's children the rows offsets[r]..offsets[r + 1] - 1 of `hc`
     [M, 2H] (or [1, 2H]: one row every child is), `node` the node of each child:
         i, o, u from W_iou x + U_iou sum_m h_m + b_iou;  f_m = sigmoid(W_f x + U_f h_m + b_f).
@@ -230,6 +244,7 @@ class ChildSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, hc):
+        w_iou, u_iou, w_f, u_f, b_iou, b_f = (p[0] for p in (w_iou, u_iou, w_f, u_f, b_iou, b_f))
         B, M, H = x.shape[0], node.shape[0], u_f.shape[-1]
         h = hc[:, :H].expand(M, H)
         h_sum = h.new_zeros(B, H).index_add_(0, node, h)
@@ -269,5 +284,6 @@ class ChildSum(torch.autograd.Function):
         du_iou = d_iou.t().mm(h_sum) if need[2] else None
         dw_f = d_fx.t().mm(x) if need[3] else None
         du_f = d_f.t().mm(hc[:, :H].expand(M, H)) if need[4] else None
-        return (None, None, dx, dw_iou, du_iou, dw_f, du_f, db_iou if need[5] else None,
-                db_f if need[6] else None, d_hc)
+        weights = (dw_iou, du_iou, dw_f, du_f, db_iou if need[5] else None,
+                   db_f if need[6] else None)
+        return (None, None, dx, *map(_batch_of_one, weights), d_hc)
