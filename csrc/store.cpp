@@ -1142,7 +1142,7 @@ PyObject* register_store(PyObject* module) {
                             reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
       PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module) ||
       !register_fused(module) || !register_capture(module) || !register_dispatch(module) ||
-      !register_lstm(module)) {
+      !register_lstm(module) || !register_tree_lstm(module)) {
     Py_DECREF(module);
     return nullptr;
   }

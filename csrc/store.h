@@ -288,5 +288,6 @@ bool register_fused(PyObject* module);
 bool register_capture(PyObject* module);
 bool register_dispatch(PyObject* module);
 bool register_lstm(PyObject* module);
+bool register_tree_lstm(PyObject* module);
 
 }  // namespace flybatch

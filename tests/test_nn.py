@@ -15,7 +15,7 @@ import torch
 
 import eager
 import flybatch as fb
-from flybatch import lstm_layer
+from flybatch import lstm_layer, tree_lstm
 from flybatch.graph import STRATEGIES
 
 F64 = torch.float64
@@ -243,6 +243,17 @@ def test_lstm_length_groups_split_and_join_back_with_zeros_past_each_end():
 
 
 # ---- Tree-LSTMs ----------------------------------------------------------------------------------
+@pytest.fixture(params=tree_lstm.TREE_LSTM_PATHS)
+def tree_path(request):
+    """Each test of an fb.nn.TreeLSTMCell runs on both kernels of its cells
+    (flybatch/tree_lstm.py's fused ones, and torch ops), and "fused" must have run."""
+    before, launches = tree_lstm.get_tree_lstm(), dict(tree_lstm.tree_lstm_counts)
+    tree_lstm.set_tree_lstm(request.param)
+    yield request.param
+    tree_lstm.set_tree_lstm(before)
+    assert tree_lstm.tree_lstm_counts[request.param] > launches[request.param]
+
+
 BINARY_TREES = [0, (1, 2), ((3, 4), 5), (6, ((0, 1), (2, (3, 4)))), ((5, 6), (0, 1))]
 NARY_TREES = [0, (1,), (2, 3, 4), ((5, 6), 0, (1, (2,), 3)), (((4,),),), (0, 1, 2, 3)]
 WORDS = inputs(7, seed=3)
@@ -266,13 +277,13 @@ def nary_tree_lstm(B, blocks, tree, with_x=False):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_binary_tree_lstm_matches_the_nary_equations(strategy):
+def test_binary_tree_lstm_matches_the_nary_equations(strategy, tree_path):
     cell = seeded(fb.nn.TreeLSTMCell(IN, H, arity=2).double())
     same_as_eager(strategy, [cell], nary_tree_lstm, BINARY_TREES)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_binary_tree_lstm_with_node_inputs_matches_the_nary_equations(strategy):
+def test_binary_tree_lstm_with_node_inputs_matches_the_nary_equations(strategy, tree_path):
     cell = seeded(fb.nn.TreeLSTMCell(IN, H, arity=2).double())
     same_as_eager(strategy, [cell],
                   lambda B, m, t: nary_tree_lstm(B, m, t, with_x=True), BINARY_TREES)
@@ -287,7 +298,7 @@ def ternary(tree):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_ternary_tree_lstm_matches_the_nary_equations(strategy):
+def test_ternary_tree_lstm_matches_the_nary_equations(strategy, tree_path):
     cell = seeded(fb.nn.TreeLSTMCell(IN, H, arity=3).double())
     same_as_eager(strategy, [cell], nary_tree_lstm, [ternary(t) for t in NARY_TREES])
 
@@ -307,7 +318,7 @@ def child_sum_tree_lstm(B, blocks, tree):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_child_sum_tree_lstm_matches_its_equations(strategy):
+def test_child_sum_tree_lstm_matches_its_equations(strategy, tree_path):
     cell = seeded(fb.nn.TreeLSTMCell(IN, H, child_sum=True).double())
     same_as_eager(strategy, [cell], child_sum_tree_lstm, NARY_TREES)
 

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import _core, kernels, lstm_layer, ops, signatures
+from . import _core, kernels, lstm_layer, ops, signatures, tree_lstm
 from .errors import ShapeError
 from .graph import Expression, Graph, Op
 from .ops import Operand
@@ -400,17 +400,21 @@ def _finish(iou: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
 
 def _tree_leaf_kernel(xs, attr, shape):
     x, w, b = xs
+    if tree_lstm.fused(x, w, b):
+        return tree_lstm.leaf(x, w, b)
     return _finish(kernels.linear(x, w.squeeze(0), b.squeeze(0)), None)
 
 
 def _nary_kernel(xs, attr, shape):
     n, has_x = attr
+    x = xs[n] if has_x else None
+    u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
+    if tree_lstm.fused(*xs):
+        return tree_lstm.nary(xs[:n], x, u_iou, u_f, b_iou, b_f, xs[-1] if has_x else None)
     size = max(t.shape[0] for t in xs[:n])
     # A child every node reads is one row; expanded only then (an expand is an autograd node).
     hcs = [hc if hc.shape[0] == size else hc.expand(size, -1) for hc in xs[:n]]
     hs, cs = zip(*[_split(hc, shape[0] // 2) for hc in hcs])
-    x = xs[n] if has_x else None
-    u_iou, u_f, b_iou, b_f = xs[n + has_x:n + has_x + 4]
     children = torch.cat(hs, 1)
     iou = kernels.linear(children, u_iou.squeeze(0), b_iou.squeeze(0))
     if has_x:
@@ -428,7 +432,11 @@ def _nary_kernel(xs, attr, shape):
 
 def _child_sum_kernel(xs, lengths, shape):
     x, w_iou, u_iou, w_f, u_f, b_iou, b_f, *children = xs
-    x = x.expand(len(lengths), -1)
+    if x.shape[0] != len(lengths):  # one input every node reads (an expand is an autograd node)
+        x = x.expand(len(lengths), -1)
+    if tree_lstm.fused(*xs):
+        return tree_lstm.child_sum(x, children[0] if children else None, lengths, w_iou, u_iou,
+                                   w_f, u_f, b_iou, b_f)
     iou = kernels.linear(x, w_iou.squeeze(0), b_iou.squeeze(0))
     if not children:  # no node of the batch has children
         return _finish(iou, None)
