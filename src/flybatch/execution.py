@@ -66,7 +66,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
     pieces: dict[int, torch.Tensor] = {}
     projected: dict[int, tuple] = {}
     if plan.first_batch:
-        projected, plain = _plan_projections(graph, plan, batch_reads, reads, indices)
+        projected, plain = _plan_projections(graph, plan, batch_reads, reads)
         _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
     values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
     for batch, (nodes, (arg_reads, stacked, arities, widths, lengths, uneven)) in enumerate(
@@ -161,8 +161,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
     return True
 
 
-def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: list[Read],
-                      indices: "_Indices") -> tuple[dict[int, tuple], set[int]]:
+def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
+                      reads: list[Read]) -> tuple[dict[int, tuple], set[int]]:
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
@@ -181,7 +181,7 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: 
                 or b_read[0] != "view" or max(w_read[1], b_read[1]) >= first_batch:
             continue
         concat = x_read[1] - first_batch
-        concat_reads, stacked, _, _, lengths, _ = batch_reads[concat]
+        concat_reads, _, _, _, lengths, _ = batch_reads[concat]
         concat_nodes = plan.batches[concat]
         weight, bias = values[w_read[1]], values[b_read[1]]
         if graph.op_of(int(concat_nodes[0])).name != "concat" or lengths is not None \
@@ -194,9 +194,8 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list, reads: 
             continue
         with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
             # (guarded: a projection is this batch's kernel, its time kernel time)
-            gather = _guarded(graph, nodes, projection.plan, graph, concat_reads, stacked,
-                              len(concat_nodes), slice(x_read[2], x_read[2] + x_read[3]),
-                              w_read[1], reads, indices.numpy, first_batch)
+            gather = _guarded(graph, nodes, projection.plan, graph, concat_nodes,
+                              slice(x_read[2], x_read[2] + x_read[3]), w_read[1], first_batch)
         if gather is not None:
             projected[batch] = (*gather, weight, bias)
             plain.update(k for read in concat_reads
