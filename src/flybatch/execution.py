@@ -32,7 +32,6 @@ module runs it with torch.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -79,8 +78,8 @@ def run(graph: "Graph", plan: Schedule) -> None:
                                                   pieces, plan.first_batch):
             graph.launches.append((graph.sig_of(first), len(nodes)))
         elif batch in projected:
-            values.append(_guarded(graph, nodes, _gather_projections, graph, nodes,
-                                   *projected[batch]))
+            values.append(_guarded_in_mode(graph, nodes, _gather_projections, graph, nodes,
+                                           *projected[batch]))
             graph.launches.append((graph.sig_of(first), len(nodes)))
         else:
             size = len(nodes)
@@ -106,11 +105,7 @@ def run(graph: "Graph", plan: Schedule) -> None:
             args = (xs, attr, shape_of(first))
             if op.padded:  # and each node's length, when they differ
                 args += (None if lengths is None else indices.numpy[lengths:lengths + size],)
-            if graph.is_no_grad(first):  # written under torch.no_grad() (the whole batch was)
-                with torch.no_grad():
-                    out = _guarded(graph, nodes, op.kernel, *args)
-            else:
-                out = _guarded(graph, nodes, op.kernel, *args)
+            out = _guarded_in_mode(graph, nodes, op.kernel, *args)
             if out.shape[0] != size:
                 out = out.expand(size, *out.shape[1:])
             values.append(out)
@@ -192,10 +187,10 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
             readers = Counter(read[1] for read in reads if read[0] != "multi")
         if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
             continue
-        with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
-            # (guarded: a projection is this batch's kernel, its time kernel time)
-            gather = _guarded(graph, nodes, projection.plan, graph, concat_nodes,
-                              slice(x_read[2], x_read[2] + x_read[3]), w_read[1], first_batch)
+        # (guarded: a projection is this batch's kernel, its time kernel time)
+        gather = _guarded_in_mode(graph, nodes, projection.plan, graph, concat_nodes,
+                                  slice(x_read[2], x_read[2] + x_read[3]), w_read[1],
+                                  first_batch)
         if gather is not None:
             projected[batch] = (*gather, weight, bias)
             plain.update(k for read in concat_reads
@@ -210,22 +205,21 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
     """An affine batch planned by `_plan_projections`: the k projected rows of each node,
     gathered in one read (through the joined tables' gradient sink) and summed, plus the
     bias."""
-    with torch.no_grad() if graph.is_no_grad(int(nodes[0])) else contextlib.nullcontext():
-        table = joined.table
-        rows = torch.from_numpy(rows).to(table.device)
-        if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
-            if joined.sink is None:
-                joined.sink = _GradientSink(table)
-            picked = _SinkReads.apply([(joined.sink, rows, 0, 0)], [joined.sink],
-                                      joined.sink.token)[0]
-        else:
-            picked = table.index_select(0, rows)
-        graph.gathers += 1
-        n, out = len(nodes), table.shape[1]
-        # The model's FLOPs are the product it wrote, not the projections that replace it.
-        x = next((s for s in sources if s.requires_grad), sources[0])
-        kernels.flops.add(n * out, weight.shape[2], x, weight)
-        return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
+    table = joined.table
+    rows = torch.from_numpy(rows).to(table.device)
+    if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
+        if joined.sink is None:
+            joined.sink = _GradientSink(table)
+        picked = _SinkReads.apply([(joined.sink, rows, 0, 0)], [joined.sink],
+                                  joined.sink.token)[0]
+    else:
+        picked = table.index_select(0, rows)
+    graph.gathers += 1
+    n, out = len(nodes), table.shape[1]
+    # The model's FLOPs are the product it wrote, not the projections that replace it.
+    x = next((s for s in sources if s.requires_grad), sources[0])
+    kernels.flops.add(n * out, weight.shape[2], x, weight)
+    return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -245,6 +239,23 @@ def _refresh_parameters(graph: "Graph") -> None:
                                  f"{tuple(tensor.shape)} after nodes of shape "
                                  f"{graph.shape_of(node)} were written with it")
         graph.values[batch] = tensor.unsqueeze(0)
+
+
+# (torch's own switch: `with torch.no_grad()` costs ~3 us, ~1.5 ms of a parser's evaluation
+# minibatch, where every batch was written under no_grad)
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+def _guarded_in_mode(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
+    """`_guarded`, under no_grad when the batch was written under torch.no_grad() (the whole
+    batch was): a forward runs with grad on (graph.forward), and each node's own mode decides."""
+    if not graph.is_no_grad(int(nodes[0])):
+        return _guarded(graph, nodes, kernel, *args)
+    _set_grad_enabled(False)
+    try:
+        return _guarded(graph, nodes, kernel, *args)
+    finally:
+        _set_grad_enabled(True)
 
 
 def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
