@@ -225,20 +225,28 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
 def _refresh_parameters(graph: "Graph") -> None:
     """Parameters are read when the forward runs, like embedding tables: a parameter computed
     by an earlier forward of this graph is read anew if its tensor was rebound (`W.data = ...`)
-    since; in-place updates are seen anyway (the value is a view of the parameter)."""
+    since; in-place updates are seen anyway (the value is a view of the parameter). A
+    parameter whose tensor (the parameter of a view) kept its storage and shape since its last
+    read is not looked at further: half the cost of taking the view and comparing it with the
+    value (the parser's evaluation minibatch, ~100 forwards of 11 parameters: 1.25 -> 0.55 ms)."""
+    known = graph.parameter_reads
     for node in graph.parameter_nodes:
         if node >= graph.n_done:
             break  # computed by this forward's own parameter kernel
+        last = known.get(node)
+        if last is not None and last[0].data_ptr() == last[1] and last[0].shape == last[2]:
+            continue
         tensor = graph.parameter_value(node)  # a view (`U_f[0]`) is taken anew
         batch, _ = graph.position(node)
         cached = graph.values[batch]
-        if cached.data_ptr() == tensor.data_ptr() and cached.shape[1:] == tensor.shape:
-            continue
-        if tuple(tensor.shape) != graph.shape_of(node):
-            raise ExecutionError(f"parameter #{node}: its tensor was rebound to shape "
-                                 f"{tuple(tensor.shape)} after nodes of shape "
-                                 f"{graph.shape_of(node)} were written with it")
-        graph.values[batch] = tensor.unsqueeze(0)
+        if cached.data_ptr() != tensor.data_ptr() or cached.shape[1:] != tensor.shape:
+            if tuple(tensor.shape) != graph.shape_of(node):
+                raise ExecutionError(f"parameter #{node}: its tensor was rebound to shape "
+                                     f"{tuple(tensor.shape)} after nodes of shape "
+                                     f"{graph.shape_of(node)} were written with it")
+            graph.values[batch] = tensor.unsqueeze(0)
+        read = graph.parameter_tensor(node)
+        known[node] = (read, read.data_ptr(), read.shape)
 
 
 # (torch's own switch: `with torch.no_grad()` costs ~3 us, ~1.5 ms of a parser's evaluation

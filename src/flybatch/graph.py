@@ -321,6 +321,8 @@ class Graph(_core.Store):
         # instance can wait until every other instance has asked too.
         self.before_value_request: Callable[[], None] | None = None
         self.parameter_nodes: list[int] = []  # re-read by every forward (see execution.run)
+        # parameter node -> (the tensor it reads, its data_ptr and shape when last read)
+        self.parameter_reads: dict[int, tuple[torch.Tensor, int, torch.Size]] = {}
         # (len(tags), the storages of the tensors among them) when `reads_later` last looked
         self._read_storages: tuple[int, set[int]] | None = None
         # With `debug=True`, node -> "file:line: code" of the user's line that wrote it, so a
@@ -429,6 +431,11 @@ class Graph(_core.Store):
         """The tensor of parameter node `node` as of now (a `ParameterView` taken anew)."""
         value = self.attr_of(node)
         return value() if isinstance(value, ParameterView) else value
+
+    def parameter_tensor(self, node: int) -> torch.Tensor:
+        """The tensor parameter node `node` reads: the parameter, or the one it is a view of."""
+        value = self.attr_of(node)
+        return value.parameter if isinstance(value, ParameterView) else value
 
     def parameter_view_node(self, tensor: torch.Tensor, key: Any, key_id: Any) -> int:
         """The one node of `tensor[key]` in this graph (`key_id`: a hashable form of `key`)."""
