@@ -280,4 +280,43 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
   return plan;
 }
 
+bool concat_rows(const i64* nodes, i64 n, const ScheduledForward& c, ConcatRows& out) {
+  if (n <= 0) return false;
+  const i64 k = c.arg_ptr[nodes[0] + 1] - c.arg_ptr[nodes[0]];
+  if (k <= 0) return false;
+  out.k = k;
+  out.sources.clear();
+  for (i64 row = 0; row < n; ++row) {
+    const i64 node = nodes[row];
+    if (c.arg_ptr[node + 1] - c.arg_ptr[node] != k) return false;
+    for (i64 i = 0; i < k; ++i) {  // (a concat reads a few sources: a linear search)
+      const i64 arg = c.arg_flat[c.arg_ptr[node] + i];
+      const i64 batch = c.node_batch[arg];
+      if (batch < 0)
+        throw std::invalid_argument("node " + std::to_string(arg) + " is read by node " +
+                                    std::to_string(node) + " but has no place in any batch");
+      if (std::find(out.sources.begin(), out.sources.end(), batch) == out.sources.end())
+        out.sources.push_back(batch);
+    }
+  }
+  std::sort(out.sources.begin(), out.sources.end());
+  std::vector<i64> offsets(out.sources.size());
+  out.source_rows.resize(out.sources.size());
+  for (std::size_t s = 0, total = 0; s < out.sources.size(); ++s) {
+    offsets[s] = static_cast<i64>(total);
+    out.source_rows[s] = c.batch_size[out.sources[s]];
+    total += static_cast<std::size_t>(out.source_rows[s]);
+  }
+  out.table_rows.resize(static_cast<std::size_t>(n * k));
+  for (i64 row = 0; row < n; ++row) {
+    const i64* args = c.arg_flat + c.arg_ptr[nodes[row]];
+    for (i64 i = 0; i < k; ++i) {
+      const i64 s = std::lower_bound(out.sources.begin(), out.sources.end(),
+                                     c.node_batch[args[i]]) - out.sources.begin();
+      out.table_rows[row * k + i] = (offsets[s] + c.node_row[args[i]]) * k + i;
+    }
+  }
+  return true;
+}
+
 }  // namespace flybatch

@@ -111,4 +111,22 @@ struct ReadPlan {
 // Throws std::invalid_argument if an argument of a batch is not placed yet.
 ReadPlan plan_reads(const ScheduledForward& forward, const LayoutOf& layout_of);
 
+// What a product of a concat batch gathers from the projections of the concat's sources
+// instead of multiplying (projection.py). The concat's nodes each have `k` arguments (block i
+// of a node is its argument i), which read rows of the batches `sources` (ascending, each with
+// `source_rows` rows). Row n * k + i of `table_rows` is the row of the sources' projection
+// tables, joined in that order ([rows of all sources * k, out]), that block i of node n reads:
+// (its argument's row in the sources' results end to end) * k + i.
+struct ConcatRows {
+  i64 k = 0;
+  std::vector<i64> sources;
+  std::vector<i64> source_rows;
+  std::vector<i64> table_rows;
+};
+
+// The ConcatRows of nodes[0..n), read from the graph's columns (arg_ptr, arg_flat, node_batch,
+// node_row, batch_size); false when the nodes differ in arity or have none. Throws
+// std::invalid_argument if an argument is not placed.
+bool concat_rows(const i64* nodes, i64 n, const ScheduledForward& columns, ConcatRows& out);
+
 }  // namespace flybatch

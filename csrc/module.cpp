@@ -579,7 +579,52 @@ PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
   });
 }
 
+const char kConcatRowsDoc[] =
+    "concat_rows(graph, nodes) -> (k, sources, source_rows, table_rows) or None\n\n"
+    "What a product of a concat batch gathers from the projections of its sources\n"
+    "(csrc/execute.h, projection.py). nodes: the concat batch's node ids (an int64 array), each\n"
+    "of k arguments; sources: the batches those arguments are rows of, ascending, with\n"
+    "source_rows rows each; table_rows (int64 bytes, n * k): the row of the sources' joined\n"
+    "projection tables that argument i of node n reads, at n * k + i. None when the nodes\n"
+    "differ in arity.";
+
+PyObject* py_concat_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "concat_rows(graph, nodes) takes 2 arguments");
+    return nullptr;
+  }
+  PyObject* graph = args[0];
+  return guarded([&]() -> PyObject* {
+    if (!PyObject_TypeCheck(graph, &flybatch::StoreType))
+      fail(PyExc_TypeError, "graph must be a flybatch Graph (a _core.Store)");
+    const flybatch::Store* store = reinterpret_cast<flybatch::Store*>(graph);
+    const flybatch::Columns& c = *store->nodes;
+    const Int64Buffer nodes(args[1], "nodes", 0, /*read_only=*/true);
+    const i64 placed = std::min<i64>(c.batch.size(), flybatch::n_nodes(store));
+    for (i64 i = 0; i < nodes.size(); ++i)
+      if (nodes.data()[i] < 0 || nodes.data()[i] >= placed)
+        fail(PyExc_ValueError, "nodes holds node " + std::to_string(nodes.data()[i]) +
+                                   ", which the graph has not placed");
+    flybatch::ScheduledForward columns;
+    columns.arg_ptr = c.arg_ptr.data();
+    columns.arg_flat = c.arg_flat.data();
+    columns.node_batch = c.batch.data();
+    columns.node_row = c.row.data();
+    columns.batch_size = c.batch_size.data();
+    flybatch::ConcatRows found;
+    if (!flybatch::concat_rows(nodes.data(), nodes.size(), columns, found)) Py_RETURN_NONE;
+    Owned sources(int_tuple(found.sources)), source_rows(int_tuple(found.source_rows));
+    Owned table_rows(PyByteArray_FromStringAndSize(
+        reinterpret_cast<const char*>(found.table_rows.data()),
+        static_cast<Py_ssize_t>(found.table_rows.size() * sizeof(i64))));
+    return checked(Py_BuildValue("(LOOO)", found.k, sources.get(), source_rows.get(),
+                                 table_rows.get()));
+  });
+}
+
 PyMethodDef kMethods[] = {
+    {"concat_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_concat_rows)),
+     METH_FASTCALL, kConcatRowsDoc},
     {"plan_reads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_plan_reads)),
      METH_VARARGS | METH_KEYWORDS, kPlanReadsDoc},
     {"schedule", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_schedule)),

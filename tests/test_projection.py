@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 import flybatch as fb
-from flybatch import kernels
+from flybatch import _core, kernels
 
 STRATEGIES = ["none", "depth", "agenda", "auto"]
 TOKENS, WIDTH, FEATURES, OUT = 24, 5, 4, 5
@@ -222,3 +223,47 @@ def test_a_batch_reading_more_sources_than_it_has_rows_is_multiplied_as_written(
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     _, projections = _flybatch(p, steps, "agenda")
     assert projections.products > 0
+
+
+def test_the_core_lists_the_projected_row_each_node_reads_as_each_block():
+    """`_core.concat_rows`: the batches a concat batch's nodes read (ascending) and, at n * k +
+    i, the row of their projection tables joined in that order that block i of node n reads:
+    (its argument's row in the sources' results end to end) * k + i."""
+    p = _parameters()
+    features = [[3, None, 5, 7], [None, 0, 23, 3]]
+    with fb.Graph(strategy="agenda") as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        concats = [fb.concat([p["pad"] if t is None else states[t] for t in tokens])
+                   for tokens in features]
+        g.forward(concats)
+        k, sources, source_rows, table_rows = _core.concat_rows(
+            g, np.array([c.id for c in concats], np.int64))
+        assert k == FEATURES
+        assert list(sources) == sorted(sources) and len(sources) == 2  # encoder, pad
+        assert list(source_rows) == [g.values[s].shape[0] for s in sources]
+        start = dict(zip(sources, np.cumsum([0, *source_rows]).tolist()))
+        pad = g.parameter_node(p["pad"])  # (the one node of the parameter in the graph)
+        want = []
+        for tokens in features:
+            for i, t in enumerate(tokens):
+                batch, row = g.position(pad if t is None else states[t].id)
+                want.append((start[batch] + row) * k + i)
+        assert np.frombuffer(table_rows, np.int64).tolist() == want
+
+
+def test_the_core_lists_no_projected_rows_for_concats_of_different_arities():
+    p = _parameters()
+    with fb.Graph(strategy="none") as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        concats = [fb.concat(states[:2]), fb.concat(states[:3])]
+        g.forward(concats)
+        assert _core.concat_rows(g, np.array([c.id for c in concats], np.int64)) is None
+
+
+def test_the_core_refuses_projected_rows_of_nodes_not_yet_placed():
+    p = _parameters()
+    with fb.Graph(strategy="agenda") as g:
+        pending = fb.concat([fb.tanh(p["W"] @ fb.lookup(p["E"], 0))] * 2)
+        with pytest.raises(ValueError, match="not placed"):
+            _core.concat_rows(g, np.array([pending.id], np.int64))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import flybatch as fb
+from flybatch.errors import ExecutionError
 from flybatch.graph import STRATEGIES
 
 F64 = torch.float64
@@ -440,3 +441,27 @@ def test_a_failed_forward_does_not_count_the_build_time_twice():
     g.close()
     assert first_build >= 0.2
     assert build_again < 0.1
+
+
+def test_a_forward_under_no_grad_runs_each_batch_in_its_own_grad_mode_and_leaves_grad_off():
+    W = torch.nn.Parameter(torch.randn(3, 3, dtype=F64))
+    with fb.Graph(strategy="agenda") as g:
+        tracked = fb.tanh(W @ fb.input(torch.ones(3, dtype=F64)))
+        with torch.no_grad():
+            untracked = fb.tanh(W @ fb.input(torch.ones(3, dtype=F64)))
+            g.forward()
+            assert not torch.is_grad_enabled()
+        assert tracked.value().requires_grad and not untracked.value().requires_grad
+        torch.testing.assert_close(tracked.value().detach(), untracked.value())
+
+
+def test_a_forward_under_no_grad_whose_kernel_fails_leaves_grad_off():
+    W = torch.nn.Parameter(torch.randn(3, 3, dtype=F64))
+    with fb.Graph(strategy="agenda") as g:
+        x = fb.tanh(W @ fb.input(torch.ones(3, dtype=F64)))
+        with torch._C.DisableTorchFunction():  # not seen by the graph's capture
+            W.data = W.data.float()  # the kernel then multiplies float by double: it fails
+        with torch.no_grad():
+            with pytest.raises(ExecutionError):
+                g.forward([x])
+            assert not torch.is_grad_enabled()

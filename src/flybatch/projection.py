@@ -23,7 +23,8 @@ them would (SMALL_GEMM_SLOWDOWN), which costs at most about twice the better cho
 hindsight. A source computed by this forward, stored padded, or read in another layout is never
 projected; the batch then runs as written.
 
-This module plans (which rows of which table) and keeps the tables; execution.py reads them.
+This module plans (which rows of which table, listed by the compiled core's `concat_rows`) and
+keeps the tables; execution.py reads them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import kernels
+from . import _core, kernels
 
 # Sources are projected once (rows times blocks multiplied as written by the weight since its
 # last projection) * SMALL_GEMM_SLOWDOWN >= (the sources' rows) * k: the direct path's cost so
@@ -115,55 +116,32 @@ class Projections:
                 f"products={self.products})")
 
 
-def _read_parts(k: int, reads: list, index: np.ndarray):
-    """The (source, rows) parts of read `k` in order, and the permutation that puts their
-    concatenation in the nodes' order (None: in order); None for a layout not handled here."""
-    read = reads[k]
-    if read[0] == "view":
-        _, source, start, length = read
-        return [(source, np.arange(start, start + length))], None
-    if read[0] == "rows":
-        _, source, at, length = read
-        return [(source, index[at:at + length])], None
-    _, part_ids, inverse, rows, _ = read
-    parts = []
-    for p in part_ids:
-        if reads[p][0] == "multi":
-            return None
-        parts += _read_parts(p, reads, index)[0]
-    return parts, None if inverse is None else index[inverse:inverse + rows]
-
-
-def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
-         weight_batch: int, reads: list, index: np.ndarray, first_batch: int):
-    """The gather that replaces an affine batch over the concat batch whose argument reads are
-    `concat_reads` (one stacked read of k arguments, or k reads) and whose nodes `rows` the
-    affine reads: (the joined tables of projected rows, the rows of it to gather per node and
-    block, [n * k], the source tensors), or None when the batch runs as written."""
+def plan(graph, concat_nodes: np.ndarray, rows: slice, weight_batch: int, first_batch: int):
+    """The gather that replaces an affine batch over the concat batch of `concat_nodes` whose
+    nodes `rows` the affine reads: (the joined tables of projected rows, the rows of it to
+    gather per node and block, [n * k], the source tensors), or None when the batch runs as
+    written. The rows each node and block read come from the graph's columns, in the compiled
+    core (`_core.concat_rows`): numpy over the concat's reads cost ~25 us more per forward,
+    ~2.5 ms of the parser's ~45 ms evaluation minibatch (2026-11-24)."""
+    found = _core.concat_rows(graph, concat_nodes)
+    if found is None:
+        return None
+    k, sources, source_rows, table_rows = found
     values = graph.values
     weight = values[weight_batch]
     out, width = weight.shape[1], weight.shape[2]
-    k = stacked or len(concat_reads)
     if width % k or out * k > TABLE_MAX_GROWTH * (width // k):
         return None
     d = width // k
-    blocks = []  # per read: its (source, rows) parts and their permutation
-    for read in concat_reads:
-        found = _read_parts(read, reads, index)
-        if found is None:
+    if len(concat_nodes) < MIN_ROWS_PER_SOURCE * len(sources):
+        return None
+    if sources[-1] >= first_batch:  # a source computed by this forward
+        return None
+    for source, n_rows in zip(sources, source_rows):
+        value = values[source]
+        if source in graph.padded or value.dim() != 2 or value.shape[1] != d \
+                or value.shape[0] != n_rows:
             return None
-        parts, _ = found
-        for source, _ in parts:
-            if source >= first_batch or source in graph.padded or values[source].dim() != 2 \
-                    or values[source].shape[1] != d:
-                return None
-        blocks.append(found)
-    sources = tuple(sorted({source for parts, _ in blocks for source, _ in parts}))
-    if size < MIN_ROWS_PER_SOURCE * len(sources):
-        return None
-    ids = _rows_read(blocks, sources, values, stacked, size, k)
-    if ids is None:
-        return None
     projections: Projections = graph.projections
     grad = torch.is_grad_enabled()
     tables, missing = [], []
@@ -191,28 +169,8 @@ def plan(graph, concat_reads: list[int], stacked: int, size: int, rows: slice,
         joined = projections.joined[joined_key] = _Joined(
             tables, tables[0] if len(tables) == 1 else torch.cat(tables))
     projections.batches += 1
-    return joined, (ids[rows] * k + np.arange(k)).reshape(-1), [values[s] for s in sources]
-
-
-def _rows_read(blocks: list, sources: tuple[int, ...], values: list, stacked: int, size: int,
-               k: int) -> np.ndarray | None:
-    """[size, k]: the row each node reads as block i, numbered in the sources' rows end to end;
-    None when the reads do not give one row per node and block."""
-    offsets, total = {}, 0
-    for source in sources:
-        offsets[source] = total
-        total += values[source].shape[0]
-    columns = []
-    for parts, permutation in blocks:
-        ids = np.concatenate([offsets[source] + np.asarray(r, np.int64) for source, r in parts])
-        columns.append(ids if permutation is None else ids[permutation])
-    if stacked:
-        ids = columns[0]
-        if len(ids) == 1:  # one node read by every node, broadcast
-            ids = np.repeat(ids, size * k)
-        return ids.reshape(size, k) if len(ids) == size * k else None
-    columns = [np.repeat(c, size) if len(c) == 1 else c for c in columns]
-    return np.stack(columns, 1) if all(len(c) == size for c in columns) else None
+    gathered = np.frombuffer(table_rows, np.int64)[rows.start * k:rows.stop * k]
+    return joined, gathered, [values[s] for s in sources]
 
 
 def _project(w: torch.Tensor, blocks: torch.Tensor, source: torch.Tensor,
