@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from flybatch import lstm_layer
+from flybatch import kernels, lstm_layer
 
 D, H = 5, 4
 
@@ -78,14 +78,32 @@ def test_stepwise_leaves_zeros_past_each_sequence_end():
     assert torch.count_nonzero(h[1, 2:]) == 0 and torch.count_nonzero(h[:, :2]) == 2 * 2 * H
 
 
-@pytest.mark.parametrize("lengths, path", [([3, 1, 2], "stepwise"), (None, "onednn")],
-                         ids=["lengths-differ", "lengths-equal"])
-def test_auto_runs_stepwise_where_lengths_differ_and_onednn_where_equal(lengths, path):
+@pytest.mark.parametrize("lengths, speedup, path", [
+    ([3, 1, 2], 1.1, "stepwise"), (None, 1.1, "onednn"),
+    ([3, 1, 2], 2.3, "onednn"), (None, 2.3, "onednn")],
+    ids=["lengths-differ", "lengths-equal", "lengths-differ-onednn-faster",
+         "lengths-equal-onednn-faster"])
+def test_auto_runs_stepwise_where_lengths_differ_unless_onednn_is_much_faster_here(
+        lengths, speedup, path, monkeypatch):
+    monkeypatch.setattr(kernels, "_onednn_speedup", speedup)
     batch = padded_batch([3, 3, 3] if lengths is None else lengths, torch.float32)
     before = dict(lstm_layer.lstm_counts)
     run("auto", *batch, None if lengths is None else np.array(lengths))
     assert {k: lstm_layer.lstm_counts[k] - before[k] for k in before} == {
         p: int(p == path) for p in before}
+
+
+def test_auto_keeps_float64_stepwise_where_lengths_differ_even_if_onednn_is_faster(monkeypatch):
+    monkeypatch.setattr(kernels, "_onednn_speedup", 2.3)
+    before = dict(lstm_layer.lstm_counts)
+    run("auto", *padded_batch([3, 1, 2], torch.float64), np.array([3, 1, 2]))
+    assert lstm_layer.lstm_counts["stepwise"] == before["stepwise"] + 1
+
+
+def test_onednn_speedup_is_measured_once_per_process(monkeypatch):
+    monkeypatch.setattr(kernels, "_onednn_speedup", None)
+    first = kernels.onednn_speedup()
+    assert first > 0 and kernels.onednn_speedup() == first
 
 
 def test_set_lstm_rejects_an_unknown_path():

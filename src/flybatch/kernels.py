@@ -213,6 +213,51 @@ def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: 
     return path
 
 
+# ---- how this CPU's two GEMM libraries compare ---------------------------------------------
+_onednn_speedup: float | None = None
+
+
+def onednn_speedup() -> float:
+    """How many times faster oneDNN's float32 product is than torch's default one (MKL) on this
+    CPU, one thread, measured once per process (~10 ms): the best of 5 runs of each on a
+    [256, 512] x [512, 1024] product with the weight prepacked. It differs by CPU more than by
+    shape: on the AMD EPYC hosts of 2026-11-23 about 1.05-1.25x, on the one of 2026-11-24
+    about 2.3x (MKL ~108 GFLOP/s, oneDNN ~245), which decides whether oneDNN's RNN primitive
+    beats the stepwise LSTM layer (lstm_layer.py). 1.0 where oneDNN is not built in."""
+    global _onednn_speedup
+    if _onednn_speedup is None:
+        _onednn_speedup = _measure_onednn_speedup()
+    return _onednn_speedup
+
+
+def _measure_onednn_speedup() -> float:
+    if not torch.backends.mkldnn.is_available():
+        return 1.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            x, w = torch.randn(256, 512), torch.randn(1024, 512)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            runs = {"default": lambda: F.linear(x, w),
+                    "onednn": lambda: torch.ops.mkldnn._linear_pointwise(
+                        x, packed, None, "none", [], "")}
+            best = {}
+            for name, run in runs.items():
+                run()  # the primitive, the caches
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                best[name] = min(times)
+            return best["default"] / best["onednn"]
+    except RuntimeError:  # a build whose oneDNN lacks the packed product
+        return 1.0
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- the product ----------------------------------------------------------------------------------
 class _Linear(torch.autograd.Function):
     """`x @ w.T + b` with the forward and dX = dY W through packed oneDNN; dW = dY^T X stays

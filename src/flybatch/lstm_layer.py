@@ -27,7 +27,13 @@ stepwise layer's per-step torch ops cost more than oneDNN's fused cell.
 
 The path: `set_lstm("auto" | "onednn" | "stepwise")` or the environment variable FLYBATCH_LSTM.
 "auto" (the default) takes stepwise on CPU where the lengths of the batch differ, oneDNN
-(cuDNN) where they are equal or on another device. Stepwise needs a CPU tensor of float32 or
+(cuDNN) where they are equal or on another device, and oneDNN in float32 also where lengths
+differ on a CPU whose oneDNN products run `ONEDNN_FASTER` times faster than torch's default
+(`kernels.onednn_speedup()`, measured once per process): the numbers above are from hosts
+where they ran at about the same speed; on the host of 2026-11-24 oneDNN's products ran 2.3x
+faster than MKL's and its RNN primitive trained the bilstm tasks 20-30% faster than the
+stepwise layer (`scripts/step_phases.py bilstm agenda`, core 1: step CPU 143.0 / 142.9 ms
+stepwise, 103.6 / 111.8 oneDNN; bilstm-char 171.5 / 172.8 vs 138.8 / 126.0). Stepwise needs a CPU tensor of float32 or
 float64 (its backward's elementwise pass is the core's); elsewhere even a forced "stepwise"
 runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a benchmark can say which ran.
 """
@@ -49,7 +55,8 @@ _path = kernels.KernelChoice("set_lstm", "path", LSTM_PATHS, "FLYBATCH_LSTM", "a
 
 def set_lstm(path: str) -> None:
     """Force the LSTM layer's kernel: "onednn" (torch's LSTM: oneDNN, cuDNN), "stepwise"
-    (`StepwiseLSTM`, where it applies) or "auto" (stepwise where lengths differ on CPU)."""
+    (`StepwiseLSTM`, where it applies) or "auto" (stepwise where lengths differ on CPU, unless
+    oneDNN's products are much faster there)."""
     _path.set(path)
 
 
@@ -74,10 +81,16 @@ def kernel(xs, attr, shape, lengths):
     return _JoinGroups.apply(groups, *[_torch_lstm(g, w_ih, w_hh, bias) for g in inputs])
 
 
+# oneDNN's products this many times faster than the default's: its RNN primitive wins over the
+# stepwise layer even where it pads (between the two hosts measured: ~1.1x lost, 2.3x won).
+ONEDNN_FASTER = 1.6
+
+
 def _stepwise(x: torch.Tensor, lengths: np.ndarray | None) -> bool:
     applies = x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
     if _path.choice == "auto":
-        return applies and lengths is not None
+        return applies and lengths is not None and not (
+            x.dtype == torch.float32 and kernels.onednn_speedup() >= ONEDNN_FASTER)
     return applies and _path.choice == "stepwise"
 
 
