@@ -18,7 +18,11 @@ and in situ it is lost: oneDNN creates a primitive per new batch size (~0.5 ms e
 tree's batch sizes vary; warming up 12 minibatches with a large primitive cache did not change
 the result), and, unmeasured, the packed copies add to the weights' cache footprint. "auto"
 also makes results depend on a noisy timing. On a machine where oneDNN wins, opt in with
-FLYBATCH_GEMM=auto.
+FLYBATCH_GEMM=auto. Measured again on 2026-11-24 on a host where a repeated oneDNN product
+ran 2.3x faster than MKL's (~245 vs ~108 GFLOP/s): "onednn" still trained the Tree-LSTM at the
+default's speed (step CPU 74.3 vs 74.4 / 74.7 ms, the cells as torch ops), a primitive per new
+batch shape eating the gain; that host's advantage went to the LSTM layers instead
+(lstm_layer.py uses `onednn_speedup` below).
 
 `set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) picks
 the mode; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
