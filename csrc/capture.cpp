@@ -12,8 +12,8 @@
 // sequences, "|" before the keywords), constants other than int / str / None keyed by
 // capture's `_key`. Called for every recorded torch call: the Python version cost ~3 us.
 //
-// With a handler, the call's plan (capture._PLANS, keyed by handler, key, operands, params) is
-// looked up in the same pass: a `_Plan` appends its node here (`append_planned`), anything else
+// With a handler, the call's plan (capture.direct._PLANS, keyed by handler, key, operands, params)
+// is looked up in the same pass: a `_Plan` appends its node here (`append_planned`), anything else
 // stored there (NotImplemented, a recipe the handler applies itself) is returned as it is.
 #include "store.h"
 
@@ -25,12 +25,12 @@ i64 operand_node(Store* g, PyObject* x);  // rules.cpp: an operand's node (may c
 
 namespace {
 
-PyObject* g_slot_type = nullptr;        // capture._Slot
+PyObject* g_slot_type = nullptr;        // capture.calls._Slot
 PyObject* g_key_of = nullptr;           // capture._key
 PyObject* g_parameter_op = nullptr;     // graph.PARAMETER
 PyObject* g_node_of_tensor = nullptr;   // Graph._operand (shadowed tensors)
-PyObject* g_plans = nullptr;            // capture._PLANS
-PyObject* g_plan_type = nullptr;        // capture._Plan
+PyObject* g_plans = nullptr;            // capture.direct._PLANS
+PyObject* g_plan_type = nullptr;        // capture.direct._Plan
 // _Slot(0), _Slot(1)...: a slot is never changed once made, so calls share them (making one
 // is a Python call, ~0.1 us, and most calls have a few operands).
 constexpr Py_ssize_t kSharedSlots = 16;
@@ -349,12 +349,12 @@ const char kTakeApartDoc[] =
     "(args template, kwargs template, nodes, operands, params, weight, key) of a torch call "
     "recorded by the capture layer (see capture/calls.py `_Call`) in `graph` "
     "(None: the graph of its "
-    "operands, as capture._graph_of). With `handler`, and a plan of "
-    "(handler, key, operands, params) in capture._PLANS: the node appended by that plan if it "
-    "is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
+    "operands, as capture.calls._graph_of). With `handler`, and a plan of "
+    "(handler, key, operands, params) in capture.direct._PLANS: the node appended by that plan if "
+    "it is a `_Plan`, else the stored object itself (NotImplemented if the handler declined that "
     "key, or a recipe of the handler's own).";
 
-// The graph of a call's operands, as capture._graph_of finds it: the first expression's among
+// The graph of a call's operands, as capture.calls._graph_of finds it: the first expression's among
 // the arguments (one level into a list or tuple), then the keywords'; else the current graph.
 PyObject* graph_of_call(PyObject* args, PyObject* kwargs) {  // a new reference
   auto in = [](PyObject* x) -> PyObject* {
@@ -472,8 +472,8 @@ PyObject* take_apart(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 const char kConfigureDoc[] =
     "configure_capture(slot_type, key_of, parameter_op, node_of_tensor, plans, plan_type, "
     "index_input_op, index_dtypes)\n\n"
-    "What take_apart builds and calls: capture._Slot, capture._key, "
-    "graph.PARAMETER, Graph._operand, capture._PLANS, capture._Plan, "
+    "What take_apart builds and calls: capture.calls._Slot, capture._key, "
+    "graph.PARAMETER, Graph._operand, capture.direct._PLANS, capture.direct._Plan, "
     "graph.INDEX_INPUT, graph._INDEX_DTYPES.";
 
 PyObject* configure_capture(PyObject*, PyObject* args) {
@@ -503,34 +503,35 @@ PyObject* configure_capture(PyObject*, PyObject* args) {
 // The rules (capture/mode.py's comments say why each is there):
 //   * an Expression type among `types`: recorded;
 //   * a property read (`__get__`) other than those that compute a tensor (T, mT, H, mH): runs,
-//     but one in capture._READS_VALUE (`data`, `requires_grad`) of a shadowed tensor is recorded;
-//   * a name in capture._DESCRIBE or capture._REBINDS: runs, and a rebind (a name in _REBINDS,
-//     or `__set__` of an attribute in _REBOUND_ATTRIBUTES) first makes the live graphs forget
-//     its tensor (capture._forget); but a name in capture._READS_VALUE (`item`, `tolist`,
-//     `__repr__`, `detach`...) on a tensor shadowed in the current graph is recorded: the
+//     but one in capture.mode._READS_VALUE (`data`, `requires_grad`) of a shadowed tensor is
+//     recorded;
+//   * a name in capture.mode._DESCRIBE or capture.mode._REBINDS: runs, and a rebind (a name in
+//     _REBINDS, or `__set__` of an attribute in _REBOUND_ATTRIBUTES) first makes the live graphs
+//     forget its tensor (capture._forget); but a name in capture.mode._READS_VALUE (`item`,
+//     `tolist`, `__repr__`, `detach`...) on a tensor shadowed in the current graph is recorded: the
 //     tensor's own storage still holds what it held before the graph wrote into it;
 //   * otherwise recorded if a tensor among the arguments (positional, one level into a list or
 //     tuple, keyword) is shadowed in the current graph (Graph.shadows, by id), or is a leaf
 //     parameter that requires grad, unless the call writes in place or an optimizer's step runs
-//     (capture._thread.optimizer_step).
+//     (capture.mode._thread.optimizer_step).
 // A recorded call goes to torch_call(func, args, kwargs) (below); any other runs as
 // func(*args, **kwargs) (torch has taken the mode off its stack while we run).
-PyObject* g_describe = nullptr;         // capture._DESCRIBE (a frozenset of names)
-PyObject* g_reads_value = nullptr;      // capture._READS_VALUE (names of _DESCRIBE)
-PyObject* g_rebinds = nullptr;          // capture._REBINDS
-PyObject* g_recorded_properties = nullptr;  // capture._RECORDED_PROPERTIES
-PyObject* g_rebound_attributes = nullptr;   // capture._REBOUND_ATTRIBUTES
+PyObject* g_describe = nullptr;         // capture.mode._DESCRIBE (a frozenset of names)
+PyObject* g_reads_value = nullptr;      // capture.mode._READS_VALUE (names of _DESCRIBE)
+PyObject* g_rebinds = nullptr;          // capture.mode._REBINDS
+PyObject* g_recorded_properties = nullptr;  // capture.mode._RECORDED_PROPERTIES
+PyObject* g_rebound_attributes = nullptr;   // capture.mode._REBOUND_ATTRIBUTES
 PyObject* g_forget = nullptr;           // capture._forget
-PyObject* g_before_write = nullptr;     // capture._before_write
+PyObject* g_before_write = nullptr;     // capture.mode._before_write
 PyObject* g_current = nullptr;          // graph._current (a ContextVar)
-PyObject* g_thread = nullptr;           // capture._thread (a threading.local)
+PyObject* g_thread = nullptr;           // capture.mode._thread (a threading.local)
 PyObject* g_handlers = nullptr;         // capture._HANDLERS: torch function -> its handler
-PyObject* g_refuse_inplace = nullptr;   // capture._refuse_inplace
-PyObject* g_refuse_autocast = nullptr;  // capture._refuse_autocast
-PyObject* g_unhandled = nullptr;        // capture._unhandled
+PyObject* g_refuse_inplace = nullptr;   // capture.dispatch._refuse_inplace
+PyObject* g_refuse_autocast = nullptr;  // capture.dispatch._refuse_autocast
+PyObject* g_unhandled = nullptr;        // capture.dispatch._unhandled
 PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor.sigmoid... -> op
 PyObject* g_planned = nullptr;          // capture._PLANNED: F.linear, Tensor.view... -> (handler, weights)
-PyObject* g_recipe_type = nullptr;      // capture._Recipe
+PyObject* g_recipe_type = nullptr;      // capture.direct._Recipe
 PyObject* s_apply = nullptr;            // "apply"
 PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
@@ -678,7 +679,7 @@ PyObject* owner_name(PyObject* func) {
   return attr_or(owner.get(), s_name, empty.get());
 }
 
-// Whether a graph block is open (an in-place write there may need capture._before_write).
+// Whether a graph block is open (an in-place write there may need capture.mode._before_write).
 bool in_open_graph() {
   PyObject* graph = nullptr;
   if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
@@ -759,10 +760,10 @@ bool involves_graph(PyObject* func, PyObject* types, PyObject* args, PyObject* k
 // capture.torch_call, the head of every recorded call (the front end's, and those of
 // Expression's methods): the keywords that are not part of the computation dropped, in-place
 // writes into an expression refused, then the function's handler; a call without one, or whose
-// handler declines it (NotImplemented), goes on in capture._unhandled (in-place writes into
-// tensors, out=, generic nodes). In Python this head cost ~0.3 us per recorded call.
+// handler declines it (NotImplemented), goes on in capture.dispatch._unhandled (in-place writes
+// into tensors, out=, generic nodes). In Python this head cost ~0.3 us per recorded call.
 // The fb op of a unary function (torch.sigmoid(x), x.tanh()) of one floating expression and
-// nothing else, as capture._fb_unary maps it, without its Python frame (~6 such calls per
+// nothing else, as capture.mappings._fb_unary maps it, without its Python frame (~6 such calls per
 // Tree-LSTM node); NULL (no error) for any other call, which the handler decides.
 PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (PyTuple_GET_SIZE(args) != 1 || PyDict_GET_SIZE(kwargs)) return nullptr;
@@ -782,10 +783,11 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   return checked(PyObject_CallOneArg(op, x));
 }
 
-// What a recipe (capture._Recipe) gives for a call: `recipe.apply(args)`; for the pieces of a
-// chunk / split / unbind (capture._Pieces, ~2.5k per Tree-LSTM minibatch), its method without
-// its Python frames: each piece's plan appended over the expression's node, in a list or tuple.
-PyObject* g_pieces_type = nullptr;      // capture._Pieces
+// What a recipe (capture.direct._Recipe) gives for a call: `recipe.apply(args)`; for the pieces of
+// a chunk / split / unbind (capture.indexing._Pieces, ~2.5k per Tree-LSTM minibatch), its method
+// without its Python frames: each piece's plan appended over the expression's node, in a list or
+// tuple.
+PyObject* g_pieces_type = nullptr;      // capture.indexing._Pieces
 PyObject* s_kind = nullptr;             // "kind"
 PyObject* s_plans = nullptr;            // "plans"
 
@@ -902,7 +904,7 @@ struct CallForm {
   }
 };
 
-// A loss's class check (capture._check_classes) for a target index holding `value`: whether
+// A loss's class check (capture.losses._check_classes) for a target index holding `value`: whether
 // the value is a class of `x` (an expression of 1 or 2 dims) or the call's ignore_index. False
 // where the handler is to decide: it raises the error that names the op and shapes.
 PyObject* s_ignore_index = nullptr;     // "ignore_index"
@@ -1080,8 +1082,8 @@ PyObject* index_tensor(PyObject* func, PyObject* args, PyObject* kwargs) {
 // `U_f[0]`: an int part of a parameter that the current graph has taken already, its one node
 // per graph (Graph.parameter_view_node) found without the handler's Python frames (~2.5k such
 // calls per Tree-LSTM minibatch: the forget gates' weights of every node), where the handler
-// (capture._tensor_getitem) would find it: a floating leaf that requires grad, not of 2 dims
-// (a table's row is a lookup of its own). NULL (no error) for any other call.
+// (capture.indexing._tensor_getitem) would find it: a floating leaf that requires grad, not of 2
+// dims (a table's row is a lookup of its own). NULL (no error) for any other call.
 PyObject* g_tensor_getitem = nullptr;   // torch.Tensor.__getitem__
 PyObject* s_leaf_nodes = nullptr;       // "_leaf_nodes"
 PyObject* s_view = nullptr;             // "view"
@@ -1239,9 +1241,9 @@ PyObject* embedding_row(PyObject* func, PyObject* args, PyObject* kwargs) {
 
 // torch.cat (torch.concat, torch.concatenate) of expressions of the graph's floating dtype,
 // one graph's (a Tree-LSTM node's children's states, ~1.2k per minibatch): flybatch's concat
-// along the per-instance dim, as the handler (capture._cat) maps it, without its Python
+// along the per-instance dim, as the handler (capture.mappings._cat) maps it, without its Python
 // frames. NULL (no error) for any other call, which the handler decides (or raises for).
-PyObject* g_cat_handler = nullptr;      // capture._cat
+PyObject* g_cat_handler = nullptr;      // capture.mappings._cat
 PyObject* g_concat = nullptr;           // ops.concat
 PyObject* s_dim = nullptr;              // "dim"
 PyObject* g_dim_name = nullptr;         // ("dim",)
@@ -1318,11 +1320,11 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
     if (expression) {
       PyObject* refused = PyObject_CallOneArg(g_refuse_inplace, func);  // raises TypeError
       Py_XDECREF(refused);
-      if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "capture._refuse_inplace returned");
+      if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "capture.dispatch._refuse_inplace returned");
       throw PythonError{};
     }
   }
-  // `func(..., out=t)`: capture._unhandled records it without `out`, then writes t
+  // `func(..., out=t)`: capture.dispatch._unhandled records it without `out`, then writes t
   PyObject* out_arg = PyDict_GetItemWithError(kwargs.get(), s_out);  // borrowed
   if (!out_arg && PyErr_Occurred()) throw PythonError{};
   const bool written_out = out_arg && out_arg != Py_None;
@@ -1351,7 +1353,7 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
 const char kTorchCallDoc[] =
     "torch_call(func, args, kwargs) -> Expression (or what the call returns)\n\n"
     "Records func(*args, **kwargs), a call that involves the graph, as nodes: by its handler "
-    "in capture._HANDLERS, else capture._unhandled (configure_front first).";
+    "in capture._HANDLERS, else capture.dispatch._unhandled (configure_front first).";
 
 PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   OwnTimeScope own;  // recording a call is flybatch's part of the build
@@ -1432,9 +1434,9 @@ const char kConfigureFrontDoc[] =
     "refuse_autocast, unhandled, fb_unary, planned, recipe_type)\n\n"
     "Installs the front end as mode_class.__torch_function__ (capture._Capture), with what it "
     "and torch_call read and call (graph.Expression is the one `configure` was given): "
-    "capture._DESCRIBE, _READS_VALUE, _REBINDS, "
+    "capture.mode._DESCRIBE, _READS_VALUE, _REBINDS, "
     "_RECORDED_PROPERTIES, _REBOUND_ATTRIBUTES, _forget, _before_write, graph._current, "
-    "capture._thread, "
+    "capture.mode._thread, "
     "_HANDLERS, _refuse_inplace, _refuse_autocast, _unhandled, _FB_UNARY, _PLANNED, _Recipe.";
 
 PyObject* configure_front(PyObject*, PyObject* args) {

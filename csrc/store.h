@@ -223,8 +223,8 @@ struct Store {
   // the tensor again while a torch function mode is on (see torch_function_mode_enabled).
   std::unordered_map<PyObject*, std::pair<i64, i64>>* table_shapes;
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
-  // capture.cpp: the plan (a capture._Plan) of a planned torch call by the call's form in this
-  // graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
+  // capture.cpp: the plan (a capture.direct._Plan) of a planned torch call by the call's form in
+  // this graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
   std::unordered_map<std::string, PyObject*>* call_plans;
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
@@ -264,7 +264,7 @@ const i64* shape_dims(const Store* s, std::int32_t id, std::size_t* n);
 // Grad mode now (torch.is_grad_enabled, cached and called without arguments).
 bool grad_enabled();
 // Whether a torch.autocast region is on for the CPU or CUDA now (read per recorded torch call:
-// such a call is refused, capture._refuse_autocast).
+// such a call is refused, capture.dispatch._refuse_autocast).
 bool autocast_enabled();
 // The signature int of a Python key, interned on first sight (sig_ids, sig_keys).
 i64 python_sig(Store* s, PyObject* key);
