@@ -96,8 +96,11 @@ def test_run_task_writes_results_and_report(tmp_path, datasets, capsys):
     # the build split into the task's per-instance Python and flybatch's op calls
     assert agenda["build_split"]["flybatch"] > 0 and agenda["build_split"]["user"] > 0
     assert "build_split" not in recs[0] and "build_split" not in recs[2]
+    # which kernels ran the Tree-LSTM cells: the fused ones (the default on CPU), only there
+    assert set(agenda["tree_lstm_paths"]) == {"fused"} and agenda["tree_lstm_paths"]["fused"] > 0
+    assert "tree_lstm_paths" not in recs[0] and "tree_lstm_paths" not in recs[2]
     out = capsys.readouterr().out
-    assert "correctness treelstm" in out and "OK" in out
+    assert "correctness treelstm" in out and "OK" in out and "Tree-LSTM cells fused x" in out
     table = report.markdown(lines)
     assert "| treelstm |" in table and "agenda" in table and "(user " in table and "% / flybatch" in table
     assert {p.name for p in report.charts(lines, tmp_path)} == {"throughput.png",

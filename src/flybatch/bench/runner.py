@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import flybatch.distributed as fbd
-from flybatch import _core, kernels, lstm_layer
+from flybatch import _core, kernels, lstm_layer, tree_lstm
 from flybatch.bench.flops import MinibatchFlops, gemm_peak
 from flybatch.bench.tasks import EXTRA_MODES, MODES, create, task_class
 from flybatch.bench.tasks.base import StepResult
@@ -251,6 +251,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
         train_step(next(batches))
     timed, stats, sizes = [], [], []
     lstm_before = dict(lstm_layer.lstm_counts)
+    tree_before = dict(tree_lstm.tree_lstm_counts)
     start = time.perf_counter()
     while not fbd.any_rank(len(timed) >= s.min_timed and time.perf_counter() - start >= s.seconds):
         r, extra, n = train_step(next(batches))
@@ -265,6 +266,9 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     # which kernel ran fb.nn.LSTM's layers (flybatch/lstm_layer.py): launches per path
     lstm_paths = {path: n - lstm_before[path] for path, n in lstm_layer.lstm_counts.items()
                   if n > lstm_before[path]}
+    # and fb.nn.TreeLSTMCell's launches (flybatch/tree_lstm.py): fused cells or torch ops
+    tree_paths = {path: n - tree_before[path] for path, n in tree_lstm.tree_lstm_counts.items()
+                  if n > tree_before[path]}
     split = _build_split(train_step, batches) if stats else None
 
     def eval_step(batch: list) -> tuple[StepResult, int]:
@@ -313,6 +317,8 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
         rec["build_split"] = split
     if lstm_paths:
         rec["lstm_paths"] = lstm_paths
+    if tree_paths:
+        rec["tree_lstm_paths"] = tree_paths
     if stats:
         def med_of(attr):
             return statistics.median(getattr(st, attr) for st in stats)
@@ -491,6 +497,9 @@ def _summary(r: dict[str, Any]) -> str:
                   + " + ".join(f"{x:.1f}" for x in r["per_process"]) + f" = {r['total']:.1f}/s")
     if r.get("lstm_paths"):
         extra += "; LSTM layers " + ", ".join(f"{p} x{n}" for p, n in r["lstm_paths"].items())
+    if r.get("tree_lstm_paths"):
+        extra += "; Tree-LSTM cells " + ", ".join(
+            f"{p} x{n}" for p, n in r["tree_lstm_paths"].items())
     if r.get("dynet"):
         extra += f" (DyNet {r['dynet']})"
     if "gflop_per_s" in r:
