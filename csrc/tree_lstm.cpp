@@ -300,6 +300,17 @@ std::vector<Child<T>> children_of(const std::vector<std::int64_t>& a, std::size_
   return children;
 }
 
+// A pass's binding: its int arguments read (`fixed` of them, then groups of `per_child`), and
+// `as_double` or `as_float` run on them by the is_double flag, the last fixed argument.
+using Pass = void (*)(const std::vector<std::int64_t>&);
+PyObject* run_pass(const char* name, PyObject* const* args, Py_ssize_t n, Py_ssize_t fixed,
+                   Py_ssize_t per_child, Pass as_float, Pass as_double) {
+  std::vector<std::int64_t> a;
+  if (!read_ints(name, args, n, fixed, per_child, &a)) return nullptr;
+  (a[fixed - 1] ? as_double : as_float)(a);
+  Py_RETURN_NONE;
+}
+
 template <typename T>
 void nary_forward_at(const std::vector<std::int64_t>& a) {
   const std::vector<Child<T>> children = children_of<T>(a, 9, 2);
@@ -310,10 +321,8 @@ void nary_forward_at(const std::vector<std::int64_t>& a) {
 // tree_lstm_forward(iou, b_iou, f, b_f, out, tanh_c, rows, H, is_double, *(c_k, c_stride_k));
 // f, b_f: 0 without children. See nary_forward.
 PyObject* tree_lstm_forward(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  std::vector<std::int64_t> a;
-  if (!read_ints("tree_lstm_forward", args, n, 9, 2, &a)) return nullptr;
-  a[8] ? nary_forward_at<double>(a) : nary_forward_at<float>(a);
-  Py_RETURN_NONE;
+  return run_pass("tree_lstm_forward", args, n, 9, 2, nary_forward_at<float>,
+                  nary_forward_at<double>);
 }
 
 template <typename T>
@@ -328,10 +337,8 @@ void nary_backward_at(const std::vector<std::int64_t>& a) {
 // tree_lstm_backward(iou, f, tanh_c, grad, d_iou, d_f, db_iou, db_f, rows, H, is_double,
 // *(c_k, c_stride_k, dc_k, dc_stride_k)). See nary_backward.
 PyObject* tree_lstm_backward(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  std::vector<std::int64_t> a;
-  if (!read_ints("tree_lstm_backward", args, n, 11, 4, &a)) return nullptr;
-  a[10] ? nary_backward_at<double>(a) : nary_backward_at<float>(a);
-  Py_RETURN_NONE;
+  return run_pass("tree_lstm_backward", args, n, 11, 4, nary_backward_at<float>,
+                  nary_backward_at<double>);
 }
 
 template <typename T>
@@ -344,10 +351,8 @@ void child_sum_forward_at(const std::vector<std::int64_t>& a) {
 // tree_lstm_child_sum_forward(iou, b_iou, f, fx, out, tanh_c, c, c_stride, offsets, rows, H,
 // is_double); offsets: an int64 tensor of rows + 1. See child_sum_forward.
 PyObject* tree_lstm_child_sum_forward(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  std::vector<std::int64_t> a;
-  if (!read_ints("tree_lstm_child_sum_forward", args, n, 12, 0, &a)) return nullptr;
-  a[11] ? child_sum_forward_at<double>(a) : child_sum_forward_at<float>(a);
-  Py_RETURN_NONE;
+  return run_pass("tree_lstm_child_sum_forward", args, n, 12, 0, child_sum_forward_at<float>,
+                  child_sum_forward_at<double>);
 }
 
 template <typename T>
@@ -362,10 +367,8 @@ void child_sum_backward_at(const std::vector<std::int64_t>& a) {
 // tree_lstm_child_sum_backward(iou, f, tanh_c, grad, d_iou, d_f, d_fx, db_iou, db_f, c,
 // c_stride, dc, dc_stride, offsets, rows, H, is_double). See child_sum_backward.
 PyObject* tree_lstm_child_sum_backward(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  std::vector<std::int64_t> a;
-  if (!read_ints("tree_lstm_child_sum_backward", args, n, 17, 0, &a)) return nullptr;
-  a[16] ? child_sum_backward_at<double>(a) : child_sum_backward_at<float>(a);
-  Py_RETURN_NONE;
+  return run_pass("tree_lstm_child_sum_backward", args, n, 17, 0, child_sum_backward_at<float>,
+                  child_sum_backward_at<double>);
 }
 
 PyCFunction fast(PyObject* (*f)(PyObject*, PyObject* const*, Py_ssize_t)) {
