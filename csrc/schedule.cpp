@@ -1140,11 +1140,12 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 // schedules: nodes log nodes): the ranked agenda with its critical-path fallback, merging
 // groups; the signature list schedules (critical path first, the same built backwards, then
 // two ways of weighing many long paths); the depth rule; the agenda; the depth rule's
-// latest-possible twin; the list schedule by squared heights built backwards. The first to reach the groups' lower bound ends the search (the first
-// alone does on every tree family of bench/workloads.py); otherwise the fewest launches win
-// (the earliest on ties), so `auto` is never worse than `depth` or `agenda` on any graph. A
-// candidate stops as soon as its launches and those it still needs (LaunchesLeft) reach the
-// best so far (it cannot win), so the losers cost a fraction of a run.
+// latest-possible twin; the list schedule by squared heights built backwards. The first to
+// reach the groups' lower bound ends the search (the first alone does on every tree family of
+// bench/workloads.py); otherwise the fewest launches win (the earliest on ties), so `auto` is
+// never worse than `depth` or `agenda` on any graph. A candidate stops as soon as its launches
+// and those it still needs (LaunchesLeft) reach the best so far (it cannot win), so the losers
+// cost a fraction of a run.
 //
 // Which wins where (20 instances, seed 0): the list schedule by critical path on random-dag
 // (45 -> 38 launches) and calculator (28 -> 27, the tight bound: optimal), built backwards on
@@ -1186,11 +1187,18 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
     }
     return plan;
   };
+  // The depths as the list schedules take them (a vector), copied once, by the first backward
+  // list schedule that runs (most forwards end before either does).
+  std::vector<std::int32_t> depth;
+  auto depths = [&]() -> const std::vector<std::int32_t>& {
+    if (depth.size() != static_cast<std::size_t>(nodes.n))
+      depth.assign(nodes.depth, nodes.depth + nodes.n);
+    return depth;
+  };
   const std::function<Plan()> candidates[] = {
       [&] { return list_won(Priority::highest); },
       [&] {
-        const std::vector<std::int32_t> depth(nodes.depth, nodes.depth + nodes.n);
-        return list_schedule(nodes, groups, edges, sigs, flags, depth, Priority::highest,
+        return list_schedule(nodes, groups, edges, sigs, flags, depths(), Priority::highest,
                              /*backward=*/true, best.launches);
       },
       [&] { return list_won(Priority::squares); },
@@ -1204,8 +1212,7 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
                             as_late_as_possible(nodes, sigs, flags, height).data(), best.launches);
       },
       [&] {
-        const std::vector<std::int32_t> depth(nodes.depth, nodes.depth + nodes.n);
-        return list_schedule(nodes, groups, edges, sigs, flags, depth, Priority::squares,
+        return list_schedule(nodes, groups, edges, sigs, flags, depths(), Priority::squares,
                              /*backward=*/true, best.launches);
       },
       [&] {
