@@ -33,9 +33,10 @@ differ on a CPU whose oneDNN products run `ONEDNN_FASTER` times faster than torc
 where they ran at about the same speed; on the host of 2026-11-24 oneDNN's products ran 2.3x
 faster than MKL's and its RNN primitive trained the bilstm tasks 20-30% faster than the
 stepwise layer (`scripts/step_phases.py bilstm agenda`, core 1: step CPU 143.0 / 142.9 ms
-stepwise, 103.6 / 111.8 oneDNN; bilstm-char 171.5 / 172.8 vs 138.8 / 126.0). Stepwise needs a CPU tensor of float32 or
-float64 (its backward's elementwise pass is the core's); elsewhere even a forced "stepwise"
-runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a benchmark can say which ran.
+stepwise, 103.6 / 111.8 oneDNN; bilstm-char 171.5 / 172.8 vs 138.8 / 126.0). Stepwise needs a
+CPU tensor of float32 or float64 (its backward's elementwise pass is the core's); elsewhere even
+a forced "stepwise" runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a
+benchmark can say which ran.
 """
 
 from __future__ import annotations

@@ -192,8 +192,9 @@ class Leaf(torch.autograd.Function):
 
 class Nary(torch.autograd.Function):
     """`apply(x or None, U_iou [1, 3H, N H], U_f [1, N, H, H], b_iou [1, 3H], b_f [1, H],
-    W_iou [1, 3H, D] or None, *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's `[h; c]` (each [B, 2H], or
-    [1, 2H]: one child every node reads), with the node inputs x [B, D] if given."""
+    W_iou [1, 3H, D] or None, *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's
+    `[h; c]` (each [B, 2H], or [1, 2H]: one child every node reads), with the node inputs
+    x [B, D] if given."""
 
     @staticmethod
     def forward(ctx, x, u_iou, u_f, b_iou, b_f, w_iou, *hcs):
@@ -236,9 +237,9 @@ class Nary(torch.autograd.Function):
 
 class ChildSum(torch.autograd.Function):
     """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f (each [1, ...]), hc)`:
-    the child-sum
-    cell's `[h; c]` [B, 2H], node r's children the rows offsets[r]..offsets[r + 1] - 1 of `hc`
-    [M, 2H] (or [1, 2H]: one row every child is), `node` the node of each child:
+    the child-sum cell's `[h; c]` [B, 2H], node r's children the rows
+    offsets[r]..offsets[r + 1] - 1 of `hc` [M, 2H] (or [1, 2H]: one row every child is), `node`
+    the node of each child:
         i, o, u from W_iou x + U_iou sum_m h_m + b_iou;  f_m = sigmoid(W_f x + U_f h_m + b_f).
     Saved: x, the sum of each node's h, the gates, tanh(c) and `hc` itself."""
 
