@@ -144,6 +144,18 @@ def test_a_padded_product_returns_exactly_the_rows_asked(gemm, rows):
     torch.testing.assert_close(y, x @ w.T + add)
 
 
+def test_rows_allocated_for_a_product_are_multiplied_without_a_padded_copy(gemm, monkeypatch):
+    gemm("onednn")
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda t, *a, **k: copies.append(a) or torch.empty(*a, dtype=t.dtype))
+    x, w = kernels.empty_rows(17, 8, torch.ones(1)), torch.randn(5, 8)
+    x.copy_(torch.randn(17, 8))
+    del copies[:]
+    torch.testing.assert_close(kernels.product(x, w), x @ w.T)
+    assert copies == []
+
+
 @pytest.mark.parametrize(("speedup", "rows", "path"), [
     (2.3, 16, "onednn"),    # 16 x 256 x 256 = 2^20 multiply-adds: big enough
     (2.3, 15, "default"),   # one row fewer: oneDNN's fixed cost per call would not pay

@@ -183,12 +183,26 @@ def _bucket_below(rows: int) -> int:
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """`t` [m, n] with zero rows below up to `rows` (zeros, not whatever memory held: a
-    denormal there would slow the whole product)."""
-    out = t.new_empty(rows, t.shape[1])
-    out[:t.shape[0]] = t
-    out[t.shape[0]:] = 0
+    """`t` [m, n] as the first m of `rows` rows: where t's storage goes on past its last row
+    with the same row stride, a view reaching into it (no copy: whatever those rows hold only
+    makes output rows nobody reads, a product's rows being independent), else a copy with
+    zero rows below (zeros, not whatever fresh memory holds: a denormal would slow it)."""
+    m, cols = t.shape
+    if t.stride(1) == 1 and t.stride(0) >= cols and t.storage_offset() + (rows - 1) * t.stride(
+            0) + cols <= t.untyped_storage().nbytes() // t.element_size():
+        return t.as_strided((rows, cols), t.stride())
+    out = t.new_empty(rows, cols)
+    out[:m] = t
+    out[m:] = 0
     return out
+
+
+def empty_rows(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor like `like` for a product's operand, in storage of
+    its row bucket whose rows past `rows` are zero: `product` multiplies it without a copy."""
+    full = like.new_empty(_bucket_above(rows), cols)
+    full[rows:] = 0
+    return full[:rows]
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,

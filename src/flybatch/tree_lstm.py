@@ -151,7 +151,7 @@ def _gradients(grad: torch.Tensor, iou: torch.Tensor, f: torch.Tensor | None,
     child a fresh [B, 2H] gradient whose c side is filled (its h side is the caller's)."""
     rows, H = iou.shape[0], iou.shape[1] // 3
     grad = grad.contiguous()
-    d_iou = torch.empty_like(iou)
+    d_iou = kernels.empty_rows(rows, 3 * H, iou)  # dX's operand: no padded copy
     d_f = None if f is None else torch.empty_like(f)
     db_iou, db_f = iou.new_empty(3 * H), iou.new_empty(H)
     d_hcs = [iou.new_empty(rows, 2 * H) for _ in hcs]
@@ -201,7 +201,8 @@ class Nary(torch.autograd.Function):
         w_iou = None if w_iou is None else w_iou[0]
         n, H = len(hcs), u_f.shape[-1]
         rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
-        children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1)  # [B, N H]
+        children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1,
+                             out=kernels.empty_rows(rows, n * H, hcs[0]))  # [B, N H]
         iou = kernels.product(children, u_iou, add=None if x is None else kernels.product(
             x, w_iou))
         f = torch.stack([kernels.product(children[:, k * H:(k + 1) * H], u_f[k])
