@@ -78,17 +78,21 @@ def test_stepwise_leaves_zeros_past_each_sequence_end():
     assert torch.count_nonzero(h[1, 2:]) == 0 and torch.count_nonzero(h[:, :2]) == 2 * 2 * H
 
 
-@pytest.mark.parametrize("lengths, speedup, path", [
-    ([3, 1, 2], 1.1, "stepwise"), (None, 1.1, "onednn"),
-    ([3, 1, 2], 2.3, "onednn"), (None, 2.3, "onednn")],
-    ids=["lengths-differ", "lengths-equal", "lengths-differ-onednn-faster",
+@pytest.mark.parametrize("lengths, speedup, training, path", [
+    ([3, 1, 2], 1.1, True, "stepwise"), ([3, 1, 2], 1.1, False, "stepwise"),
+    (None, 1.1, True, "onednn"),
+    ([3, 1, 2], 2.3, True, "stepwise"), ([3, 1, 2], 2.3, False, "onednn"),
+    (None, 2.3, True, "onednn")],
+    ids=["lengths-differ", "lengths-differ-eval", "lengths-equal",
+         "lengths-differ-onednn-faster", "lengths-differ-eval-onednn-faster",
          "lengths-equal-onednn-faster"])
-def test_auto_runs_stepwise_where_lengths_differ_unless_onednn_is_much_faster_here(
-        lengths, speedup, path, monkeypatch):
+def test_auto_runs_stepwise_where_lengths_differ_but_oneDNN_in_fast_evaluation(
+        lengths, speedup, training, path, monkeypatch):
     monkeypatch.setattr(kernels, "_onednn_speedup", speedup)
     batch = padded_batch([3, 3, 3] if lengths is None else lengths, torch.float32)
     before = dict(lstm_layer.lstm_counts)
-    run("auto", *batch, None if lengths is None else np.array(lengths))
+    with torch.set_grad_enabled(training):
+        run("auto", *batch, None if lengths is None else np.array(lengths))
     assert {k: lstm_layer.lstm_counts[k] - before[k] for k in before} == {
         p: int(p == path) for p in before}
 
@@ -96,7 +100,8 @@ def test_auto_runs_stepwise_where_lengths_differ_unless_onednn_is_much_faster_he
 def test_auto_keeps_float64_stepwise_where_lengths_differ_even_if_onednn_is_faster(monkeypatch):
     monkeypatch.setattr(kernels, "_onednn_speedup", 2.3)
     before = dict(lstm_layer.lstm_counts)
-    run("auto", *padded_batch([3, 1, 2], torch.float64), np.array([3, 1, 2]))
+    with torch.no_grad():
+        run("auto", *padded_batch([3, 1, 2], torch.float64), np.array([3, 1, 2]))
     assert lstm_layer.lstm_counts["stepwise"] == before["stepwise"] + 1
 
 

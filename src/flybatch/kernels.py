@@ -1,31 +1,27 @@
-"""Batched kernels: the GEMM path of shared-weight products.
+"""Batched kernels: the GEMM path of matrix products.
 
-Every product with a shared parameter (`W @ x`, `affine`, the fused cells) goes through
-`linear(x, W, b)`. On a CPU in float32 it can run through oneDNN with the weight prepacked into
-oneDNN's blocked layout (`mkldnn._linear_pointwise`): packed once per parameter version (an
-optimizer step makes a new version) and reused by every launch, backward's dX = dY W on the
-packed transpose. In mode "auto" the path is chosen per shape class by a one-time calibration
-against the default, forward and backward timed together for products autograd records.
-float64, CUDA and non-parameter operands always take the default path (cuBLAS as is).
+Every product of a launch (`W @ x`, `affine`, the fused cells' gates and their backward) goes
+through `product(x, W, b)` (`x @ W.T + b`, no autograd) or `linear(x, W, b)` (the same under
+autograd, for shared parameters). On a CPU in float32 they run through oneDNN
+(`mkldnn._linear_pointwise` on the operands as they are, any strides) where this CPU's oneDNN
+is clearly faster than torch's default product (MKL here), and the product is big enough to
+pay oneDNN's fixed cost per call; backward's dX = dY W and dW = dY^T X run the same way.
+float64, CUDA, and everything in mode "default" take torch's own product (cuBLAS as is).
 
-The default mode is "default" (torch's own product, MKL here), because oneDNN did not pay on
-the benchmark machine (one AMD EPYC core, 2026-11-23): alone it is 5-25% faster per forward
-GEMM (about 103-111 vs 85-101 GFLOP/s, the core's FMA peak being ~115) and 0-12% per
-forward + backward, but in the benchmarks, alternating paths minibatch by minibatch in one
-process, "auto" trained the Tree-LSTM at 0.97x and the BiLSTM tagger at 1.01x of "default".
-The GEMMs there are a quarter to two fifths of a step, so the gain on paper is a few percent,
-and in situ it is lost: oneDNN creates a primitive per new batch size (~0.5 ms each, and a
-tree's batch sizes vary; warming up 12 minibatches with a large primitive cache did not change
-the result), and, unmeasured, the packed copies add to the weights' cache footprint. "auto"
-also makes results depend on a noisy timing. On a machine where oneDNN wins, opt in with
-FLYBATCH_GEMM=auto. Measured again on 2026-11-24 on a host where a repeated oneDNN product
-ran 2.3x faster than MKL's (~245 vs ~108 GFLOP/s): "onednn" still trained the Tree-LSTM at the
-default's speed (step CPU 74.3 vs 74.4 / 74.7 ms, the cells as torch ops), a primitive per new
-batch shape eating the gain; that host's advantage went to the LSTM layers instead
-(lstm_layer.py uses `onednn_speedup` below).
+Why: on the benchmark host of 2026-11-24 (one AMD EPYC core) oneDNN's float32 product ran
+2.0-2.5x faster than MKL's for every operand layout the kernels use (dense weights ~230-265
+GFLOP/s, transposed operands for dX and dW ~200-265, MKL ~100-115), with a fixed cost of
+~9.5 us a call against MKL's ~2 us: it wins from ~0.75M multiply-adds (4 x 256 x 768 broke
+even). The treelstm benchmark's GEMMs were ~70% of its training step. On the earlier hosts of
+2026-11-23 oneDNN was only 5-25% faster and did not pay in situ, so the choice is measured per
+process (`onednn_speedup`, ~10 ms, once) rather than assumed. Prepacking the weight into
+oneDNN's blocked layout gained another ~6% per forward product alone; it is not done: a pack
+per parameter version costs a reorder per optimizer step and the code to keep it fresh.
 
 `set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) picks
-the mode; `gemm_counts` counts launches per path, so a benchmark can say which one ran.
+the mode: "auto" (the default) is the rule above, "onednn" takes oneDNN for every float32 CPU
+product (tests), "default" never. `gemm_counts` counts products per path, so a benchmark can
+say which one ran.
 
 `flops` counts the model FLOPs of the matrix products (these, the fused cells' other products,
 the batched `matmul` and attention kernels) where they run, so that a benchmark can divide a
@@ -36,16 +32,17 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+
 class KernelChoice:
     """Which implementation a family of kernels runs, one of `choices`: forced by the user
     (`set`, or the environment variable `variable` at import) or "auto", the library's rule.
-    The GEMM path here and the LSTM layer's (lstm_layer.py) are two."""
+    The GEMM path here, the LSTM layer's (lstm_layer.py) and the Tree-LSTM cells'
+    (tree_lstm.py) are three."""
 
     def __init__(self, setter: str, noun: str, choices: tuple[str, ...], variable: str,
                  default: str):
@@ -64,14 +61,19 @@ class KernelChoice:
 
 GEMM_MODES = ("default", "auto", "onednn")
 gemm_counts: dict[str, int] = {"default": 0, "onednn": 0}
-_gemm = KernelChoice("set_gemm", "mode", GEMM_MODES, "FLYBATCH_GEMM", "default")
-# (m bucket, k, n, transposed, with backward) -> "default" | "onednn", measured once per process.
-_decisions: dict[tuple[int, int, int, bool, bool], str] = {}
+_gemm = KernelChoice("set_gemm", "mode", GEMM_MODES, "FLYBATCH_GEMM", "auto")
+
+# "auto" takes oneDNN where it is at least this many times faster than the default product on
+# this CPU (`onednn_speedup`), for products of at least ONEDNN_MIN_MACS multiply-adds (below,
+# its ~8 us more per call outweigh a 2.3x faster product; at a smaller speedup the break-even
+# moves up, which the speedup threshold covers).
+ONEDNN_FASTER = 1.3
+ONEDNN_MIN_MACS = 1 << 20
 
 
 def set_gemm(mode: str) -> None:
-    """Force the GEMM path of shared-weight products: "default" (torch's own: MKL, cuBLAS),
-    "onednn" (prepacked oneDNN wherever it applies) or "auto" (the faster, per shape class)."""
+    """Force the GEMM path of the kernels' products: "default" (torch's own: MKL, cuBLAS),
+    "onednn" (oneDNN for every float32 CPU product) or "auto" (oneDNN where it pays here)."""
     _gemm.set(mode)
 
 
@@ -79,7 +81,7 @@ def get_gemm() -> str:
     return _gemm.get()
 
 
-# ---- model FLOPs ----------------------------------------------------------------------------------
+# ---- model FLOPs --------------------------------------------------------------------------------
 class FlopCounter:
     """The FLOPs of the matrix products run since `reset()`: 2k per dot product of length k (a
     product [m, k] x [k, n] has m*n of them), and as much again for each operand whose gradient
@@ -107,123 +109,6 @@ class FlopCounter:
 flops = FlopCounter()
 
 
-# ---- packed weights, one per parameter version ------------------------------------------------
-class _Pack:
-    """A parameter's oneDNN-packed weight (and its transpose, for backward's dX = dY W) as of
-    one version. `source` keeps the packed storage alive, so that an equal `data_ptr` can only
-    mean the same storage, whose in-place writes bump the version counter."""
-
-    __slots__ = ("source", "version", "packed", "packed_t")
-
-    def __init__(self, source: torch.Tensor):
-        self.source, self.version = source, source._version
-        self.packed = self.packed_t = None
-
-
-# id of a parameter -> its views' packs (a view: offset, shape, strides; a kernel may multiply
-# by several views of one parameter, as by the slices of a stacked weight), dropped with the
-# parameter.
-_packs: dict[int, dict[tuple, _Pack]] = {}
-
-
-def _root(w: torch.Tensor) -> torch.Tensor | None:
-    """The parameter `w` is a view of (kernels see `W.unsqueeze(0)` squeezed), or None when `w`
-    is a computed or per-instance matrix: packing one that lives for a single launch never pays."""
-    root = w if w._base is None else w._base
-    return root if root.is_leaf and root.requires_grad else None
-
-
-def _packed(w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    root = _root(w)
-    views = _packs.get(id(root))
-    if views is None:
-        views = _packs[id(root)] = {}
-        weakref.finalize(root, _packs.pop, id(root), None)
-    view = (w.storage_offset(), tuple(w.shape), w.stride())
-    pack = views.get(view)
-    if pack is None or pack.version != w._version or pack.source.data_ptr() != w.data_ptr():
-        pack = views[view] = _Pack(w.detach())
-    if transposed:
-        if pack.packed_t is None:
-            pack.packed_t = torch.ops.mkldnn._reorder_linear_weight(pack.source.t().contiguous())
-        return pack.packed_t
-    if pack.packed is None:
-        pack.packed = torch.ops.mkldnn._reorder_linear_weight(pack.source)
-    return pack.packed
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-            transposed: bool = False) -> torch.Tensor:
-    """`x @ w.T + b` (`x @ w` with `transposed`) through oneDNN with `w` prepacked."""
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(w, transposed), b, "none", [], "")
-
-
-def _default(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-             transposed: bool = False) -> torch.Tensor:
-    return F.linear(x, w.t() if transposed else w, b)
-
-
-# ---- choosing the path ----------------------------------------------------------------------------
-def _bucket(m: int) -> int:
-    return 1 << max(m - 1, 0).bit_length()
-
-
-_CALIBRATION_ROWS = 256
-
-
-def _calibrate(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
-               grad: bool) -> str:
-    """The faster path on these very operands, forward and, for a product autograd records,
-    backward too (the oneDNN path's autograd.Function costs ~20 us more per launch, which thin
-    batches feel): best of three alternating runs each, the minimum because the machine is
-    shared. Backward runs on detached copies, so no parameter's .grad is touched. At most
-    `_CALIBRATION_ROWS` rows are timed: both paths' GFLOP/s are flat beyond, and timing all of
-    a 2,000-row batch made the first minibatches of a benchmark pay over a second."""
-    x = x[:_CALIBRATION_ROWS]
-    if grad:
-        x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-        b = None if b is None else b.detach()
-        dy = torch.ones(x.shape[0], w.shape[0], dtype=x.dtype)
-        paths: dict[str, Callable] = {
-            "default": lambda: torch.autograd.grad(_default(x, w, b), (x, w), dy),
-            "onednn": lambda: torch.autograd.grad(_Linear.apply(x, w, b), (x, w), dy)}
-    else:
-        paths = {name: lambda path=path: path(x, w, b, transposed)
-                 for name, path in (("default", _default), ("onednn", _onednn))}
-    with torch.enable_grad() if grad else torch.no_grad():
-        best = _best_times(paths, 3)
-    return min(best, key=best.get)
-
-
-def _best_times(paths: dict[str, Callable], repeats: int) -> dict[str, float]:
-    """Each path's best time of `repeats` runs, the paths alternating (the minimum, because
-    the machine is shared)."""
-    best = dict.fromkeys(paths, float("inf"))
-    for _ in range(repeats):
-        for name, run in paths.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def _path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool,
-          grad: bool) -> str:
-    mode = _gemm.choice
-    if mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or x.dim() != 2 or w.dim() != 2 or _root(w) is None \
-            or transposed and grad:  # dX of a double backward: autograd must see the product
-        return "default"
-    if mode == "onednn":
-        return "onednn"
-    n, k = (w.shape[1], w.shape[0]) if transposed else w.shape
-    key = (_bucket(x.shape[0]), k, n, transposed, grad)
-    path = _decisions.get(key)
-    if path is None:
-        path = _decisions[key] = _calibrate(x, w, b, transposed, grad)
-    return path
-
-
 # ---- how this CPU's two GEMM libraries compare ---------------------------------------------
 _onednn_speedup: float | None = None
 
@@ -231,9 +116,9 @@ _onednn_speedup: float | None = None
 def onednn_speedup() -> float:
     """How many times faster oneDNN's float32 product is than torch's default one (MKL) on this
     CPU, one thread, measured once per process (~10 ms): the best of 5 runs of each on a
-    [256, 512] x [512, 1024] product with the weight prepacked. It differs by CPU more than by
-    shape: on the AMD EPYC hosts of 2026-11-23 about 1.05-1.25x, on the one of 2026-11-24
-    about 2.3x (MKL ~108 GFLOP/s, oneDNN ~245), which decides whether oneDNN's RNN primitive
+    [256, 512] x [512, 1024] product. It differs by CPU more than by shape: on the AMD EPYC
+    hosts of 2026-11-23 about 1.05-1.25x, on the one of 2026-11-24 about 2.3x (MKL ~108
+    GFLOP/s, oneDNN ~245). It decides the GEMM path here and whether oneDNN's RNN primitive
     beats the stepwise LSTM layer (lstm_layer.py). 1.0 where oneDNN is not built in."""
     global _onednn_speedup
     if _onednn_speedup is None:
@@ -249,60 +134,176 @@ def _measure_onednn_speedup() -> float:
     try:
         with torch.no_grad():
             x, w = torch.randn(256, 512), torch.randn(1024, 512)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w)
-            paths = {"default": lambda: F.linear(x, w),
-                     "onednn": lambda: torch.ops.mkldnn._linear_pointwise(
-                         x, packed, None, "none", [], "")}
+            paths = {"default": lambda: F.linear(x, w), "onednn": lambda: _onednn(x, w, None)}
             for run in paths.values():
                 run()  # the primitive, the caches
             best = _best_times(paths, 5)
             return best["default"] / best["onednn"]
-    except RuntimeError:  # a build whose oneDNN lacks the packed product
+    except RuntimeError:  # a build whose oneDNN lacks the product
         return 1.0
     finally:
         torch.set_num_threads(threads)
 
 
-# ---- the product ----------------------------------------------------------------------------------
+def _best_times(paths: dict[str, Callable], repeats: int) -> dict[str, float]:
+    """Each path's best time of `repeats` runs, the paths alternating (the minimum, because
+    the machine is shared)."""
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeats):
+        for name, run in paths.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+# ---- the products -------------------------------------------------------------------------------
+# oneDNN creates (and JIT-compiles) a primitive per operand shape, ~0.4-1.6 ms each, once; a
+# tree's batches have ever new row counts, so in situ every product paid it again (the
+# treelstm step ran 10% SLOWER on oneDNN than on MKL; the same minibatch repeated ran 29%
+# faster). So the row counts oneDNN sees are few: a product's rows are padded up to the next
+# "bucket" (the row count with all but its top 4 bits rounded up: at most 12.5% more rows,
+# ~6% on average, 8 buckets per doubling), and a weight gradient's rows (its sum) are cut
+# down to one, the rest added on the default path. A model's products then need a few hundred
+# primitives, which oneDNN's cache (1,024) keeps.
+def _bucket_above(rows: int) -> int:
+    """The smallest bucket >= rows (rows itself up to 16)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows - 1).bit_length() - 4
+    return -(-rows // step) * step
+
+
+def _bucket_below(rows: int) -> int:
+    """The largest bucket <= rows (rows itself up to 16)."""
+    if rows <= 16:
+        return rows
+    step = 1 << rows.bit_length() - 4
+    return rows // step * step
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` [m, n] as the first m of `rows` rows: where t's storage goes on past its last row
+    with the same row stride, a view reaching into it (no copy: whatever those rows hold only
+    makes output rows nobody reads, a product's rows being independent), else a copy with
+    zero rows below (zeros, not whatever fresh memory holds: a denormal would slow it)."""
+    m, cols = t.shape
+    if t.stride(1) == 1 and t.stride(0) >= cols and t.storage_offset() + (rows - 1) * t.stride(
+            0) + cols <= t.untyped_storage().nbytes() // t.element_size():
+        return t.as_strided((rows, cols), t.stride())
+    out = t.new_empty(rows, cols)
+    out[:m] = t
+    out[m:] = 0
+    return out
+
+
+def empty_rows(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor like `like` for a product's operand, in storage of
+    its row bucket whose rows past `rows` are zero: `product` multiplies it without a copy."""
+    full = like.new_empty(_bucket_above(rows), cols)
+    full[rows:] = 0
+    return full[:rows]
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+            add: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + b (+ add)` through oneDNN, on these very shapes; `add` is fused into the
+    product (a post-op). `x` and `add` may have any strides; a weight that is not dense, row-
+    or column-major, is copied first: oneDNN multiplies by a column slice or an expanded row
+    ~2,000x slower (0.1 GFLOP/s, measured on 267 x 256 x 256), a reference loop instead of
+    its GEMM."""
+    rows, cols = w.shape
+    if w.stride() != (cols, 1) and w.stride() != (1, rows):
+        w = w.contiguous()
+    if add is None:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, b, "add")
+
+
+def _onednn_bucketed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                     add: torch.Tensor | None = None) -> torch.Tensor:
+    """`_onednn` on x's rows padded up to their bucket; the result's first rows (a view)."""
+    m = x.shape[0]
+    rows = _bucket_above(m)
+    if rows == m:
+        return _onednn(x, w, b, add)
+    return _onednn(_padded(x, rows), w, b, None if add is None else _padded(add, rows))[:m]
+
+
+def _takes_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    mode = _gemm.choice
+    if mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or w.dtype != torch.float32 or x.dim() != 2 or w.dim() != 2 or 0 in w.shape:
+        return False
+    return mode == "onednn" or x.shape[0] * w.numel() >= ONEDNN_MIN_MACS \
+        and onednn_speedup() >= ONEDNN_FASTER
+
+
+def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+            add: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T (+ b) (+ add)` for matrices x [m, k], w [n, k] (any strides: `w` may be a
+    transposed view, as backward's products take them), `b` [n], `add` [m, n]; on the faster
+    path, outside autograd (the hand-written backwards' products). Not counted in `flops`."""
+    if _takes_onednn(x, w):
+        gemm_counts["onednn"] += 1
+        return _onednn_bucketed(x, w, b, add)
+    gemm_counts["default"] += 1
+    if add is None:
+        return F.linear(x, w, b)
+    out = torch.addmm(add, x, w.t())
+    return out if b is None else out.add_(b)
+
+
+def weight_gradient(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`dy^T x` for dy [m, n], x [m, k]: the gradient [n, k] of the weight of `x @ W.T` (a sum
+    over the m rows), on the faster path, outside autograd. On oneDNN, the rows up to their
+    bucket below; the few left (< 1/8) are added in place on the default path."""
+    if not _takes_onednn(dy.t(), x.t()):
+        gemm_counts["default"] += 1
+        return dy.t().mm(x)
+    gemm_counts["onednn"] += 1
+    m = dy.shape[0]
+    rows = _bucket_below(m)
+    out = _onednn(dy[:rows].t(), x[:rows].t(), None)
+    return out if rows == m else out.addmm_(dy[rows:].t(), x[rows:])
+
+
 class _Linear(torch.autograd.Function):
-    """`x @ w.T + b` with the forward and dX = dY W through packed oneDNN; dW = dY^T X stays
-    on MKL's `mm`, as fast here as oneDNN and without the transposed copies oneDNN needs."""
+    """`x @ w.T + b` with the forward, dX = dY W and dW = dY^T X through `product`. Under a
+    double backward (grad mode on in backward) its products are torch's, which autograd can
+    differentiate again."""
 
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return _onednn(x, w, b)
+        return _onednn_bucketed(x, w, b)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dx = dw = db = None
+        fast = not torch.is_grad_enabled()
         if ctx.needs_input_grad[0]:
-            dx = _product(dy, w, None, transposed=True)
+            dx = product(dy, w.t()) if fast else dy.mm(w)
         if ctx.needs_input_grad[1]:
-            dw = dy.t().mm(x)
+            dw = weight_gradient(dy, x) if fast else dy.t().mm(x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-             transposed: bool = False) -> torch.Tensor:
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad or w.requires_grad or b is not None and b.requires_grad)
-    path = _path(x, w, b, transposed, grad)
-    gemm_counts[path] += 1
-    if path == "default":
-        return _default(x, w, b, transposed)
-    return _Linear.apply(x, w, b) if grad else _onednn(x, w, b, transposed)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            model_flops: bool = True) -> torch.Tensor:
-    """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path.
-    `model_flops=False`: a product the model did not write (projection.py's, which counts the
-    model's products it replaces instead), left out of `flops`."""
+    """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path,
+    under autograd. `model_flops=False`: a product the model did not write (projection.py's,
+    which counts the model's products it replaces instead), left out of `flops`."""
     if model_flops:
         flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
-    return _product(x, w, b)
+    if not _takes_onednn(x, w):
+        gemm_counts["default"] += 1
+        return F.linear(x, w, b)
+    gemm_counts["onednn"] += 1
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or b is not None and b.requires_grad)
+    return _Linear.apply(x, w, b) if grad else _onednn_bucketed(x, w, b)

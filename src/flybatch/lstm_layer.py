@@ -9,9 +9,10 @@ each one's length, and returns the h of every step [B, T, H], zeros past each en
 * "stepwise": `StepwiseLSTM`, a hand-written layer. The rows sorted by length, the batch active
   at step t is a prefix of the one at t - 1 (a PackedSequence's time-major layout), so nothing
   runs past a sequence's end and there is one call for any mix of lengths. The input
-  projection of all steps is ONE GEMM; per step, one `addmm` of the active prefix's h with
-  W_hh and the gates' elementwise work; backward per step one pass in the core
-  (csrc/lstm.cpp) and one GEMM for dh, then dW_hh, dW_ih and dX each ONE GEMM over all steps.
+  projection of all steps is ONE GEMM; per step, one product of the active prefix's h with
+  W_hh added to its gates and the gates' elementwise work; backward per step one pass in the
+  core (csrc/lstm.cpp) and one GEMM for dh, then dW_hh, dW_ih and dX each ONE GEMM over all
+  steps (the products through `kernels.product` and `kernels.weight_gradient`).
 
 Where the time goes (one AMD EPYC core, 1 thread, the benchmarks' minibatches, forward +
 backward of one direction, ms, 2026-11-23): the GEMMs of the stepwise layer alone, without any
@@ -28,12 +29,16 @@ stepwise layer's per-step torch ops cost more than oneDNN's fused cell.
 The path: `set_lstm("auto" | "onednn" | "stepwise")` or the environment variable FLYBATCH_LSTM.
 "auto" (the default) takes stepwise on CPU where the lengths of the batch differ, oneDNN
 (cuDNN) where they are equal or on another device, and oneDNN in float32 also where lengths
-differ on a CPU whose oneDNN products run `ONEDNN_FASTER` times faster than torch's default
-(`kernels.onednn_speedup()`, measured once per process): the numbers above are from hosts
-where they ran at about the same speed; on the host of 2026-11-24 oneDNN's products ran 2.3x
-faster than MKL's and its RNN primitive trained the bilstm tasks 20-30% faster than the
-stepwise layer (`scripts/step_phases.py bilstm agenda`, core 1: step CPU 143.0 / 142.9 ms
-stepwise, 103.6 / 111.8 oneDNN; bilstm-char 171.5 / 172.8 vs 138.8 / 126.0). Stepwise needs a
+differ in evaluation (no gradient recorded) on a CPU whose oneDNN products run `ONEDNN_FASTER`
+times faster than torch's default (`kernels.onednn_speedup()`, measured once per process).
+The numbers above are from hosts where the two ran at about the same speed. On the host of
+2026-11-24 oneDNN's products ran 2.3x faster than MKL's: with the stepwise layer's products
+on MKL, oneDNN's RNN primitive trained the bilstm tasks 20-30% faster; with them through
+`kernels.product` (oneDNN too), the stepwise layer trained 6-8% faster again (paired step CPU
+ratios stepwise/oneDNN, one process alternating per minibatch, core 1, 05:05 UTC: bilstm
+0.921 and 0.933, bilstm-char 0.942; all-equal bilstm-synthetic 1.101), while in evaluation,
+with no backward to share the per-step cost of the stepwise forward, oneDNN still won (bilstm
+eval 1.168). Stepwise needs a
 CPU tensor of float32 or float64 (its backward's elementwise pass is the core's); elsewhere even
 a forced "stepwise" runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a
 benchmark can say which ran.
@@ -56,8 +61,8 @@ _path = kernels.KernelChoice("set_lstm", "path", LSTM_PATHS, "FLYBATCH_LSTM", "a
 
 def set_lstm(path: str) -> None:
     """Force the LSTM layer's kernel: "onednn" (torch's LSTM: oneDNN, cuDNN), "stepwise"
-    (`StepwiseLSTM`, where it applies) or "auto" (stepwise where lengths differ on CPU, unless
-    oneDNN's products are much faster there)."""
+    (`StepwiseLSTM`, where it applies) or "auto" (stepwise where lengths differ on CPU, except
+    in evaluation where oneDNN's products are much faster)."""
     _path.set(path)
 
 
@@ -82,16 +87,18 @@ def kernel(xs, attr, shape, lengths):
     return _JoinGroups.apply(groups, *[_torch_lstm(g, w_ih, w_hh, bias) for g in inputs])
 
 
-# oneDNN's products this many times faster than the default's: its RNN primitive wins over the
-# stepwise layer even where it pads (between the two hosts measured: ~1.1x lost, 2.3x won).
+# oneDNN's products this many times faster than the default's: in evaluation its RNN primitive
+# wins over the stepwise layer even where it pads.
 ONEDNN_FASTER = 1.6
 
 
 def _stepwise(x: torch.Tensor, lengths: np.ndarray | None) -> bool:
     applies = x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
     if _path.choice == "auto":
+        evaluation = not torch.is_grad_enabled()
         return applies and lengths is not None and not (
-            x.dtype == torch.float32 and kernels.onednn_speedup() >= ONEDNN_FASTER)
+            evaluation and x.dtype == torch.float32
+            and kernels.onednn_speedup() >= ONEDNN_FASTER)
     return applies and _path.choice == "stepwise"
 
 
@@ -140,17 +147,16 @@ class StepwiseLSTM(torch.autograd.Function):
         B, T, D = x.shape
         H = w_hh.shape[1]
         packed_x = x.reshape(B * T, D).index_select(0, packing.index)
-        gates = torch.addmm(bias, packed_x, w_ih.t())  # [N, 4H], activated in place below
+        gates = kernels.product(packed_x, w_ih, bias)  # [N, 4H], activated in place below
         N = gates.shape[0]
         h, c, tanh_c = x.new_empty(N, H), x.new_empty(N, H), x.new_empty(N, H)
-        w_hh_t = w_hh.t()
         offsets = packing.offsets
         for t, rows in enumerate(packing.batch_sizes):
             now, before = slice(offsets[t], offsets[t] + rows), slice(offsets[t - 1],
                                                                       offsets[t - 1] + rows)
             a = gates[now]
             if t:
-                a.addmm_(h[before], w_hh_t)
+                a[:] = kernels.product(h[before], w_hh, add=a)
             a[:, :2 * H].sigmoid_()
             a[:, 2 * H:3 * H].tanh_()
             a[:, 3 * H:].sigmoid_()
@@ -184,17 +190,19 @@ class StepwiseLSTM(torch.autograd.Function):
                                      c_before, a_dh + row * H * item, a_dc,
                                      a_d_gates + row * 4 * H * item, rows, H, double)
             if t:
-                dh[offsets[t - 1]:offsets[t - 1] + rows].addmm_(d_gates[row:row + rows], w_hh)
+                dh_before = dh[offsets[t - 1]:offsets[t - 1] + rows]
+                dh_before[:] = kernels.product(d_gates[row:row + rows], w_hh.t(), add=dh_before)
         need_x, need_ih, need_hh, need_bias = ctx.needs_input_grad[1:]
         dx = dw_ih = dw_hh = dbias = None
         if need_x:
-            packed_dx = d_gates.mm(w_ih)
+            packed_dx = kernels.product(d_gates, w_ih.t())
             dx = packed_dx.new_zeros(packing.B * packing.T, packed_dx.shape[1])
             dx = dx.index_copy_(0, packing.index, packed_dx).view(packing.B, packing.T, -1)
         if need_ih:
-            dw_ih = d_gates.t().mm(packed_x)
+            dw_ih = kernels.weight_gradient(d_gates, packed_x)
         if need_hh:
-            dw_hh = d_gates[sizes[0]:].t().mm(h.index_select(0, packing.previous))
+            dw_hh = kernels.weight_gradient(d_gates[sizes[0]:],
+                                            h.index_select(0, packing.previous))
         if need_bias:
             dbias = d_gates.sum(0)
         return None, dx, dw_ih, dw_hh, dbias

@@ -423,8 +423,7 @@ def _nary_kernel(xs, attr, shape):
     b_f = b_f.squeeze(0)
     fcs = []  # f_k * c_k
     for k, (h, ck) in enumerate(zip(hs, cs)):
-        kernels.flops.add(h.shape[0] * u_f.shape[-2], h.shape[1], h, u_f)  # outside `linear`
-        fcs.append(torch.sigmoid(torch.addmm(b_f, h, u_fs[k].T)) * ck)
+        fcs.append(torch.sigmoid(kernels.linear(h, u_fs[k], b_f)) * ck)
     # Summed from the first term, not from sum()'s 0: `0 + t` is a pass and an autograd node.
     # (addcmul would save the adds' passes, but its backward multiplies by its scalar too.)
     return _finish(iou, sum(fcs[1:], fcs[0]))

@@ -2,36 +2,36 @@
 cell, its leaf and the child-sum cell, as kernels of a whole launch.
 
 A launch of the N-ary cell (children's `[h; c]` each [B, 2H]) is, forward: the children's h
-side by side (one copy, [B, N H]), the gate GEMMs (`iou` = children U_iou^T: one product; the
-forget gates `f_k` = h_k U_f[k]^T: one batched product over k; plus x W_iou^T with a node
-input), then ONE pass in the core (csrc/tree_lstm.cpp) for all the elementwise work: biases,
-sigmoid and tanh, c = i*u + sum_k f_k*c_k, tanh(c), h. Backward is one core pass for every
-elementwise gradient (the pre-activations', the children's dc, the biases' as column sums),
-then the dX GEMMs (each child's dh = d_iou U_iou_k + d_f_k U_f[k]) and one call per weight for
-its dW. Saved for backward: the children's h side by side (dW's operand), the activated gates,
-tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of
-the same cell were ~25 ops forward and ~20 autograd nodes per launch, each a pass over memory
-and a dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine. The child-sum
-cell is the same around its own products (the sum of each node's h by `index_add_`, then
-x W^T and that sum U_iou^T; every child's h U_f^T), its pass walking each node's children.
+side by side (one copy, [B, N H]), the gate GEMMs (`iou` = children U_iou^T: one product, with
+x W_iou^T added in as its post-op where there is a node input; the forget gates
+`f_k` = h_k U_f[k]^T: a product per child), then ONE pass in the core (csrc/tree_lstm.cpp) for
+all the elementwise work: biases, sigmoid and tanh, c = i*u + sum_k f_k*c_k, tanh(c), h.
+Backward is one core pass for every elementwise gradient (the pre-activations', the children's
+dc, the biases' as column sums), then the dX GEMMs (each child's dh = d_iou U_iou_k +
+d_f_k U_f[k]) and one call per weight for its dW, all through `kernels.product` and
+`kernels.weight_gradient` (oneDNN where it pays on this CPU). Saved for backward: the children's
+h side by side (dW's operand), the activated gates, tanh(c), and the children's own tensors
+(their c; no copy). Under autograd, the torch ops of the same cell were ~25 ops forward and ~20
+autograd nodes per launch, each a pass over memory and a dispatch, and torch.tanh alone took
+2 ns an element on the benchmark machine. The child-sum cell is the same around its own
+products (the sum of each node's h by `index_add_`, then x W^T and that sum U_iou^T; every
+child's h U_f^T), its pass walking each node's children.
 
 Why not ONE product for all the gates: the forget gates read one child each (U_f[k] h_k), so a
 single [B, N H] x [N H, 3H + N H] product would multiply the off-diagonal blocks of a
 block-diagonal weight, +25% FLOPs for a binary cell, on a step that is mostly GEMM time; and
 a per-child product with [U_iou_k; U_f[k]] stacked needs a copy of the weights per launch (or
-per parameter version) and its dW split back. Measured alone (one core, H 256), the batched
-forget product costs what two `mm` calls cost.
+per parameter version) and its dW split back.
 
 The core's float32 sigmoid and tanh are its own (branch-free, vectorised; within a few ulp of
 torch's); float64 calls std::exp and std::tanh. Its backward is `once_differentiable`: a
 double backward through it raises instead of being wrong.
 
 The path: `set_tree_lstm("fused" | "torch")` or the environment variable FLYBATCH_TREE_LSTM.
-"fused" (the default) applies to CPU tensors of float32 or float64 under the default GEMM mode
-(another mode's products are `kernels.linear`'s); elsewhere, and under "torch", the cells run
-as torch ops under autograd (fb.nn's `_nary_kernel`, `_tree_leaf_kernel`, `_child_sum_kernel`).
-`tree_lstm_counts` counts the launches per path, so a benchmark can say which ran.
-"""
+"fused" (the default) applies to CPU tensors of float32 or float64; elsewhere, and under
+"torch", the cells run as torch ops under autograd (fb.nn's `_nary_kernel`,
+`_tree_leaf_kernel`, `_child_sum_kernel`). `tree_lstm_counts` counts the launches per path, so
+a benchmark can say which ran."""
 
 from __future__ import annotations
 
@@ -61,10 +61,9 @@ def get_tree_lstm() -> str:
 
 def fused(*tensors: torch.Tensor) -> bool:
     """Whether a launch over these operands runs the fused kernels (counted in
-    `tree_lstm_counts`): path "fused", the default GEMM mode, CPU tensors of one dtype, float32
-    or float64."""
+    `tree_lstm_counts`): path "fused", CPU tensors of one dtype, float32 or float64."""
     dtype = tensors[0].dtype
-    applies = _path.choice == "fused" and kernels.get_gemm() == "default" and dtype in (
+    applies = _path.choice == "fused" and dtype in (
         torch.float32, torch.float64) and all(
         t.device.type == "cpu" and t.dtype == dtype for t in tensors)
     tree_lstm_counts["fused" if applies else "torch"] += 1
@@ -152,7 +151,7 @@ def _gradients(grad: torch.Tensor, iou: torch.Tensor, f: torch.Tensor | None,
     child a fresh [B, 2H] gradient whose c side is filled (its h side is the caller's)."""
     rows, H = iou.shape[0], iou.shape[1] // 3
     grad = grad.contiguous()
-    d_iou = torch.empty_like(iou)
+    d_iou = kernels.empty_rows(rows, 3 * H, iou)  # dX's operand: no padded copy
     d_f = None if f is None else torch.empty_like(f)
     db_iou, db_f = iou.new_empty(3 * H), iou.new_empty(H)
     d_hcs = [iou.new_empty(rows, 2 * H) for _ in hcs]
@@ -174,7 +173,7 @@ class Leaf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_iou, b_iou):
         w_iou, b_iou = w_iou[0], b_iou[0]
-        iou = x.mm(w_iou.t())
+        iou = kernels.product(x, w_iou)
         out, tanh_c = _activate(iou, b_iou.contiguous(), None, None, ())
         ctx.save_for_backward(x, w_iou, iou, tanh_c)
         return out
@@ -185,8 +184,8 @@ class Leaf(torch.autograd.Function):
         x, w_iou, iou, tanh_c = ctx.saved_tensors
         d_iou, _, db_iou, _, _ = _gradients(grad, iou, None, tanh_c, ())
         need_x, need_w, need_b = ctx.needs_input_grad
-        dx = d_iou.mm(w_iou) if need_x else None
-        dw = d_iou.t().mm(x) if need_w else None
+        dx = kernels.product(d_iou, w_iou.t()) if need_x else None
+        dw = kernels.weight_gradient(d_iou, x) if need_w else None
         return dx, _batch_of_one(dw), _batch_of_one(db_iou if need_b else None)
 
 
@@ -202,12 +201,12 @@ class Nary(torch.autograd.Function):
         w_iou = None if w_iou is None else w_iou[0]
         n, H = len(hcs), u_f.shape[-1]
         rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
-        children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1)  # [B, N H]
-        iou = children.mm(u_iou.t())
-        if x is not None:
-            iou.addmm_(x, w_iou.t())
-        by_child = children.view(rows, n, H).transpose(0, 1)  # [N, B, H], no copy
-        f = torch.bmm(by_child, u_f.transpose(1, 2))
+        children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1,
+                             out=kernels.empty_rows(rows, n * H, hcs[0]))  # [B, N H]
+        iou = kernels.product(children, u_iou, add=None if x is None else kernels.product(
+            x, w_iou))
+        f = torch.stack([kernels.product(children[:, k * H:(k + 1) * H], u_f[k])
+                         for k in range(n)])  # [N, B, H]
         out, tanh_c = _activate(iou, b_iou.contiguous(), f, b_f.contiguous(), hcs)
         ctx.save_for_backward(children, x, u_iou, u_f, w_iou, iou, f, tanh_c, *hcs)
         return out
@@ -221,16 +220,16 @@ class Nary(torch.autograd.Function):
         need = ctx.needs_input_grad
         # Each child's dh, written into its gradient's h side: d_iou U_iou_k (all children's
         # in one product), plus d_f_k U_f[k].
-        dh = d_iou.mm(u_iou)
+        dh = kernels.product(d_iou, u_iou.t())
         for k, d_hc in enumerate(d_hcs):
-            torch.addmm(dh[:, k * H:(k + 1) * H], d_f[k], u_f[k], out=d_hc[:, :H])
+            d_hc[:, :H] = kernels.product(d_f[k], u_f[k].t(), add=dh[:, k * H:(k + 1) * H])
         d_hcs = [d if hc.shape[0] == d.shape[0] else d.sum(0, keepdim=True)
                  for hc, d in zip(hcs, d_hcs)]
-        dx = d_iou.mm(w_iou) if x is not None and need[0] else None
-        du_iou = d_iou.t().mm(children) if need[1] else None
-        du_f = torch.bmm(d_f.transpose(1, 2), children.view(-1, n, H).transpose(0, 1)) \
-            if need[2] else None
-        dw_iou = d_iou.t().mm(x) if x is not None and need[5] else None
+        dx = kernels.product(d_iou, w_iou.t()) if x is not None and need[0] else None
+        du_iou = kernels.weight_gradient(d_iou, children) if need[1] else None
+        du_f = torch.stack([kernels.weight_gradient(d_f[k], children[:, k * H:(k + 1) * H])
+                            for k in range(n)]) if need[2] else None
+        dw_iou = kernels.weight_gradient(d_iou, x) if x is not None and need[5] else None
         weights = (du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None, dw_iou)
         return (dx, *map(_batch_of_one, weights), *d_hcs)
 
@@ -249,9 +248,9 @@ class ChildSum(torch.autograd.Function):
         B, M, H = x.shape[0], node.shape[0], u_f.shape[-1]
         h = hc[:, :H].expand(M, H)
         h_sum = h.new_zeros(B, H).index_add_(0, node, h)
-        iou = x.mm(w_iou.t()).addmm_(h_sum, u_iou.t())
-        fx = torch.addmm(b_f, x, w_f.t())  # the forget gates' node part, bias included
-        f = h.mm(u_f.t())
+        iou = kernels.product(h_sum, u_iou, add=kernels.product(x, w_iou))
+        fx = kernels.product(x, w_f, b_f)  # the forget gates' node part, bias included
+        f = kernels.product(h, u_f)
         out, tanh_c = iou.new_empty(B, 2 * H), iou.new_empty(B, H)
         _core.tree_lstm_child_sum_forward(
             iou.data_ptr(), b_iou.contiguous().data_ptr(), f.data_ptr(), fx.data_ptr(),
@@ -277,14 +276,16 @@ class ChildSum(torch.autograd.Function):
             offsets.data_ptr(), B, H, iou.dtype == torch.float64)
         need = ctx.needs_input_grad[2:]
         # Each child's dh: its node's d_iou U_iou (the sum's gradient) plus its d_f U_f.
-        torch.addmm(d_iou.mm(u_iou).index_select(0, node), d_f, u_f, out=d_hc[:, :H])
+        d_hc[:, :H] = kernels.product(
+            d_f, u_f.t(), add=kernels.product(d_iou, u_iou.t()).index_select(0, node))
         if hc.shape[0] != M:
             d_hc = d_hc.sum(0, keepdim=True)
-        dx = d_iou.mm(w_iou).addmm_(d_fx, w_f) if need[0] else None
-        dw_iou = d_iou.t().mm(x) if need[1] else None
-        du_iou = d_iou.t().mm(h_sum) if need[2] else None
-        dw_f = d_fx.t().mm(x) if need[3] else None
-        du_f = d_f.t().mm(hc[:, :H].expand(M, H)) if need[4] else None
+        dx = kernels.product(d_fx, w_f.t(), add=kernels.product(d_iou, w_iou.t())) \
+            if need[0] else None
+        dw_iou = kernels.weight_gradient(d_iou, x) if need[1] else None
+        du_iou = kernels.weight_gradient(d_iou, h_sum) if need[2] else None
+        dw_f = kernels.weight_gradient(d_fx, x) if need[3] else None
+        du_f = kernels.weight_gradient(d_f, hc[:, :H].expand(M, H)) if need[4] else None
         weights = (dw_iou, du_iou, dw_f, du_f, db_iou if need[5] else None,
                    db_f if need[6] else None)
         return (None, None, dx, *map(_batch_of_one, weights), d_hc)

@@ -11,9 +11,11 @@ every mode and the DyNet peer draw alike), from the flybatch modes of the run or
 minibatch none of them timed, from an untimed flybatch forward (agenda) of it.
 
 Achieved GFLOP/s = median FLOPs per timed minibatch / median seconds per minibatch (the
-medians instances/s uses). The peak: ``F.linear`` on 1024^3 and on the tasks' typical
-products, the best of a few repetitions per shape, the best shape, measured once per process
-with the thread count the bench set.
+medians instances/s uses). The peak: the machine's fastest product on 1024^3 and on the tasks'
+typical products: ``F.linear`` (MKL here, cuBLAS on CUDA) and, on a CPU with oneDNN, the
+oneDNN product the kernels may take (flybatch/kernels.py), the best of a few repetitions per
+shape and path, the best of all, measured once per process with the thread count the bench
+set (the oneDNN path whatever the GEMM mode: the ceiling is the machine's, not a mode's).
 """
 
 from __future__ import annotations
@@ -45,22 +47,24 @@ PEAK_REPEATS = 10
 
 @dataclass(frozen=True)
 class GemmPeak:
-    """The best ``F.linear`` GFLOP/s over :data:`PEAK_SHAPES` on one device and thread count."""
+    """The best product GFLOP/s over :data:`PEAK_SHAPES` and the GEMM paths on one device and
+    thread count; `by_shape`: each shape's best, `path`: the path of the best."""
 
     gflop_per_s: float
     shape: tuple[int, int, int]
+    path: str
     by_shape: dict[str, float]
     threads: int
     device: str
 
     def __str__(self) -> str:
         shapes = ", ".join(f"{s} {v:.0f}" for s, v in self.by_shape.items())
-        return (f"GEMM peak {self.gflop_per_s:.1f} GFLOP/s (F.linear, best of {PEAK_REPEATS}, "
-                f"{self.threads} thread(s), {self.device}; m x k x n: {shapes})")
+        return (f"GEMM peak {self.gflop_per_s:.1f} GFLOP/s ({self.path}, best of "
+                f"{PEAK_REPEATS}, {self.threads} thread(s), {self.device}; m x k x n: {shapes})")
 
     def record(self) -> dict[str, Any]:
         return {"gemm_peak_gflop_per_s": self.gflop_per_s, "gemm_peak_shape": list(self.shape),
-                "gemm_peak_by_shape": self.by_shape}
+                "gemm_peak_path": self.path, "gemm_peak_by_shape": self.by_shape}
 
 
 @functools.cache
@@ -68,23 +72,29 @@ def _peak(device: str, threads: int) -> GemmPeak:
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
-    by_shape = {}
+    paths: dict[str, Callable] = {"F.linear": F.linear}
+    if dev.type == "cpu" and torch.backends.mkldnn.is_available():
+        paths["oneDNN"] = lambda x, w: kernels._onednn(x, w, None)
+    by_shape, best_path = {}, {}
     with torch.no_grad():
         for m, k, n in PEAK_SHAPES:
             x = torch.randn(m, k, generator=gen).to(dev)
             w = torch.randn(n, k, generator=gen).to(dev)
-            F.linear(x, w)  # warm-up
-            best = float("inf")
-            for _ in range(PEAK_REPEATS):
-                sync()
-                start = time.perf_counter()
-                F.linear(x, w)
-                sync()
-                best = min(best, time.perf_counter() - start)
-            by_shape[f"{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
+            for path, run in paths.items():
+                run(x, w)  # warm-up (oneDNN: its primitive)
+                best = float("inf")
+                for _ in range(PEAK_REPEATS):
+                    sync()
+                    start = time.perf_counter()
+                    run(x, w)
+                    sync()
+                    best = min(best, time.perf_counter() - start)
+                name = f"{m}x{k}x{n}"
+                if 2 * m * k * n / best / 1e9 > by_shape.get(name, 0.0):
+                    by_shape[name], best_path[name] = 2 * m * k * n / best / 1e9, path
     name = max(by_shape, key=by_shape.get)
-    return GemmPeak(by_shape[name], tuple(int(d) for d in name.split("x")), by_shape, threads,
-                    device)
+    return GemmPeak(by_shape[name], tuple(int(d) for d in name.split("x")), best_path[name],
+                    by_shape, threads, device)
 
 
 def gemm_peak(device: str | torch.device = "cpu") -> GemmPeak:

@@ -138,7 +138,8 @@ def _gflops_heading(rec: dict[str, Any]) -> str:
             "two products of the forward's size; elementwise work not counted; the eager, manual "
             "and DyNet modes get the FLOPs flybatch counts on the same minibatches; in brackets "
             "% of the measured GEMM "
-            + (f"peak, {peak:.1f} GFLOP/s (F.linear {shape}, best shape)" if peak else "peak")
+            + (f"peak, {peak:.1f} GFLOP/s ({rec.get('gemm_peak_path', 'F.linear')} {shape}, "
+               "best shape and path)" if peak else "peak")
             + "):\n")
 
 

@@ -60,6 +60,13 @@ from flybatch.bench.tasks.base import StepResult
 from flybatch.bench.tasks_data import (IdTree, TaskData, eval_batches, minibatches, prepare,
                                        tree_nodes)
 
+# Which kernels ran a mode's training steps, launches per path (recorded when any ran): the
+# LSTM layers (flybatch/lstm_layer.py), the Tree-LSTM cells (tree_lstm.py: fused or torch
+# ops) and the products of shared weights and fused cells (kernels.py: oneDNN or default).
+KERNEL_COUNTS = {"lstm_paths": lstm_layer.lstm_counts,
+                 "tree_lstm_paths": tree_lstm.tree_lstm_counts,
+                 "gemm_paths": kernels.gemm_counts}
+
 PEER_MODES = ("dynet-noauto", "dynet-depth", "dynet-agenda")
 ALL_MODES = MODES + EXTRA_MODES + PEER_MODES
 REPO = Path(__file__).resolve().parents[3]
@@ -250,8 +257,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     for _ in range(s.warmup):
         train_step(next(batches))
     timed, stats, sizes = [], [], []
-    lstm_before = dict(lstm_layer.lstm_counts)
-    tree_before = dict(tree_lstm.tree_lstm_counts)
+    before = {name: dict(counts) for name, counts in KERNEL_COUNTS.items()}
     start = time.perf_counter()
     while not fbd.any_rank(len(timed) >= s.min_timed and time.perf_counter() - start >= s.seconds):
         r, extra, n = train_step(next(batches))
@@ -263,12 +269,9 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
             stats.append(r.stats)
         bar.update(len(timed), "train")
     train_wall = time.perf_counter() - start
-    # which kernel ran fb.nn.LSTM's layers (flybatch/lstm_layer.py): launches per path
-    lstm_paths = {path: n - lstm_before[path] for path, n in lstm_layer.lstm_counts.items()
-                  if n > lstm_before[path]}
-    # and fb.nn.TreeLSTMCell's launches (flybatch/tree_lstm.py): fused cells or torch ops
-    tree_paths = {path: n - tree_before[path] for path, n in tree_lstm.tree_lstm_counts.items()
-                  if n > tree_before[path]}
+    kernel_paths = {name: {path: n - before[name][path] for path, n in counts.items()
+                           if n > before[name][path]}
+                    for name, counts in KERNEL_COUNTS.items()}
     split = _build_split(train_step, batches) if stats else None
 
     def eval_step(batch: list) -> tuple[StepResult, int]:
@@ -315,10 +318,7 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     }
     if split:
         rec["build_split"] = split
-    if lstm_paths:
-        rec["lstm_paths"] = lstm_paths
-    if tree_paths:
-        rec["tree_lstm_paths"] = tree_paths
+    rec.update((name, paths) for name, paths in kernel_paths.items() if paths)
     if stats:
         def med_of(attr):
             return statistics.median(getattr(st, attr) for st in stats)
@@ -500,6 +500,8 @@ def _summary(r: dict[str, Any]) -> str:
     if r.get("tree_lstm_paths"):
         extra += "; Tree-LSTM cells " + ", ".join(
             f"{p} x{n}" for p, n in r["tree_lstm_paths"].items())
+    if r.get("gemm_paths"):
+        extra += "; products " + ", ".join(f"{p} x{n}" for p, n in r["gemm_paths"].items())
     if r.get("dynet"):
         extra += f" (DyNet {r['dynet']})"
     if "gflop_per_s" in r:
