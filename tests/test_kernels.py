@@ -70,6 +70,29 @@ def test_a_weight_is_never_stale_after_an_optimizer_step(gemm):
     torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
+def test_a_parameter_is_packed_once_per_version_and_a_computed_weight_never(gemm, monkeypatch):
+    gemm("onednn")
+    packs = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(kernels._Pack, "__init__", lambda self, source: (
+        packs.append(source.shape), setattr(self, "source", source),
+        setattr(self, "version", source._version),
+        setattr(self, "packed", reorder(source.contiguous()))) and None)
+    w, b = weights(8, 4)
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        kernels.product(x, w, b)
+    assert packs == [(8, 4)]
+    kernels.product(torch.randn(5, 8), w.t())  # dX's transpose: a view packed on its own
+    assert packs == [(8, 4), (4, 8)]
+    with torch.no_grad():
+        w.add_(1.0)  # an optimizer step: a new version
+    torch.testing.assert_close(kernels.product(x, w, b), x @ w.T + b)
+    assert packs == [(8, 4), (4, 8), (8, 4)]
+    kernels.product(x, w * 2)  # computed: multiplied as it is
+    assert len(packs) == 3
+
+
 def test_float64_takes_the_default_path_and_a_computed_weight_gets_its_gradient(gemm):
     gemm("onednn")
     w, b = weights(8, 4)
