@@ -61,60 +61,74 @@ def run(graph: "Graph", plan: Schedule) -> None:
     # (graph, first_batch, order, ends) by position: keywords cost the call ~1 us to parse
     reads, batch_reads, fan_outs, index_bytes = _core.plan_reads(
         graph, plan.first_batch, plan.order, plan.ends)
+    if graph.deferred:  # results this forward reads that an earlier one left uncomputed
+        _compute_deferred(graph, reads)
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
     projected: dict[int, tuple] = {}
+    deferred: set[int] = set()
     if plan.first_batch:
-        projected, plain = _plan_projections(graph, plan, batch_reads, reads)
+        projected, deferred, plain = _plan_projections(graph, plan, batch_reads, reads)
         _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
-    values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
-    for batch, (nodes, (arg_reads, stacked, arities, widths, lengths, uneven)) in enumerate(
-            zip(plan.batches, batch_reads), plan.first_batch):
+    values = graph.values
+    for batch, (nodes, batch_read) in enumerate(zip(plan.batches, batch_reads),
+                                                plan.first_batch):
         first = int(nodes[0])
         op = graph.op_of(first)
         if op.leaf:
             values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
-        elif op.picks_from_input and _run_picked(graph, nodes, arg_reads[0], reads, indices,
+        elif op.picks_from_input and _run_picked(graph, nodes, batch_read[0][0], reads, indices,
                                                   pieces, plan.first_batch):
             graph.launches.append((graph.sig_of(first), len(nodes)))
         elif batch in projected:
             values.append(_guarded_in_mode(graph, nodes, _gather_projections, graph, nodes,
                                            *projected[batch]))
             graph.launches.append((graph.sig_of(first), len(nodes)))
+        elif batch in deferred:  # computed only if a later forward or value request reads it
+            values.append(None)
+            graph.deferred[batch] = _Deferred(nodes, batch_read, reads, indices,
+                                              _sources(graph, batch_read[0], reads))
         else:
-            size = len(nodes)
-            # Rows to narrow or pad to the width read: from a result stored padded, or for a
-            # padded op's nodes of different lengths.
-            if graph.padded or lengths is not None:
-                widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
-                xs = [_resolve(graph, r, reads, indices, pieces, width)
-                      for r, width in zip(arg_reads, widths)]
-            else:
-                xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
-            if op.ragged:  # each node's number of list items
-                attr = indices.numpy[arities:arities + size]
-            else:
-                if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                    x, arg_shape = xs[0], xs[0].shape[1:]
-                    if x.shape[0] != size * stacked:  # one node read by all, broadcast
-                        x = x.expand(size * stacked, *arg_shape)
-                    xs[0] = x.reshape(size, stacked, *arg_shape)
-                attr = attr_of(first)
-                if op.per_node_attrs:  # and each node's int (index, row), read in one call
-                    attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
-            args = (xs, attr, shape_of(first))
-            if op.padded:  # and each node's length, when they differ
-                args += (None if lengths is None else indices.numpy[lengths:lengths + size],)
-            out = _guarded_in_mode(graph, nodes, op.kernel, *args)
-            if out.shape[0] != size:
-                out = out.expand(size, *out.shape[1:])
-            values.append(out)
-            graph.launches.append((graph.sig_of(first), size))
+            values.append(_run_batch(graph, nodes, op, batch_read, reads, indices, pieces))
+            graph.launches.append((graph.sig_of(first), len(nodes)))
         source = len(values) - 1
-        if uneven:
+        if batch_read[5]:  # uneven: its nodes' shapes differ
             graph.padded.add(source)
         if source in fan_outs:
             _fan_out(graph, source, fan_outs[source], indices, pieces)
+
+
+def _run_batch(graph: "Graph", nodes: np.ndarray, op, batch_read: tuple, reads: list[Read],
+               indices: "_Indices", pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The result of a batch run by its op's kernel on its arguments, read as planned."""
+    arg_reads, stacked, arities, widths, lengths, _ = batch_read
+    first, size = int(nodes[0]), len(nodes)
+    # Rows to narrow or pad to the width read: from a result stored padded, or for a padded
+    # op's nodes of different lengths.
+    if graph.padded or lengths is not None:
+        widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
+        xs = [_resolve(graph, r, reads, indices, pieces, width)
+              for r, width in zip(arg_reads, widths)]
+    else:
+        xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
+    if op.ragged:  # each node's number of list items
+        attr = indices.numpy[arities:arities + size]
+    else:
+        if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
+            x, arg_shape = xs[0], xs[0].shape[1:]
+            if x.shape[0] != size * stacked:  # one node read by all, broadcast
+                x = x.expand(size * stacked, *arg_shape)
+            xs[0] = x.reshape(size, stacked, *arg_shape)
+        attr = graph.attr_of(first)
+        if op.per_node_attrs:  # and each node's int (index, row), read in one call
+            attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
+    args = (xs, attr, graph.shape_of(first))
+    if op.padded:  # and each node's length, when they differ
+        args += (None if lengths is None else indices.numpy[lengths:lengths + size],)
+    out = _guarded_in_mode(graph, nodes, op.kernel, *args)
+    if out.shape[0] != size:
+        out = out.expand(size, *out.shape[1:])
+    return out
 
 
 def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
@@ -157,15 +171,17 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
 
 
 def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
-                      reads: list[Read]) -> tuple[dict[int, tuple], set[int]]:
+                      reads: list[Read]) -> tuple[dict[int, tuple], set[int], set[int]]:
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
-    the weight, the bias); and the reads of their concat batches. The concats still run (a
-    later forward may read their nodes), but their only reader here no longer does, so no
-    backward reaches their reads: those are read as they are, not through gradient sinks."""
+    the weight, the bias); their concat batches; and the reads of those. A concat's only reader
+    here no longer reads it, so it is not run: it is *deferred* (`_Deferred`), computed only
+    if a later forward or a value request reads its nodes (a parser never does: ~1 launch and
+    ~5 reads per step, 2-4 ms of its ~40 ms evaluation minibatch, 2026-11-24), and its reads
+    are not made (`plain`: nor through gradient sinks, nor fanned out)."""
     first_batch, values = plan.first_batch, graph.values
-    projected, plain = {}, set()
+    projected, deferred, plain = {}, set(), set()
     readers = None  # source batch -> how many reads of this forward read it
     for batch, (nodes, (arg_reads, *_)) in enumerate(zip(plan.batches, batch_reads),
                                                      first_batch):
@@ -193,10 +209,11 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
                                   first_batch)
         if gather is not None:
             projected[batch] = (*gather, weight, bias)
+            deferred.add(x_read[1])
             plain.update(k for read in concat_reads
                          for k in ((read,) + (reads[read][1] if reads[read][0] == "multi"
                                               else ())))
-    return projected, plain
+    return projected, deferred, plain
 
 
 def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndarray,
@@ -220,6 +237,62 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
     x = next((s for s in sources if s.requires_grad), sources[0])
     kernels.flops.add(n * out, weight.shape[2], x, weight)
     return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
+
+
+class _Deferred:
+    """A concat batch that `run` left uncomputed (`_plan_projections`): what computing it later
+    needs, its plan as of its forward, and the results it reads, each with its version then.
+    A later computation reads those results as they are then: equal, unless one was written
+    in place or rebound since, which `compute_deferred` refuses."""
+
+    __slots__ = ("nodes", "batch_read", "reads", "indices", "sources")
+
+    def __init__(self, nodes: np.ndarray, batch_read: tuple, reads: list[Read],
+                 indices: "_Indices", sources: list[tuple[int, torch.Tensor, int]]):
+        self.nodes, self.batch_read, self.reads, self.indices = nodes, batch_read, reads, indices
+        self.sources = sources
+
+
+def _sources(graph: "Graph", arg_reads: tuple, reads: list[Read]) -> list[tuple]:
+    """(batch, its result, the result's version) of each result that `arg_reads` read."""
+    batches = set()
+    for k in arg_reads:
+        read = reads[k]
+        batches.update([reads[p][1] for p in read[1]] if read[0] == "multi" else (read[1],))
+    return [(b, graph.values[b], graph.values[b]._version) for b in sorted(batches)]
+
+
+def _compute_deferred(graph: "Graph", reads: list[Read]) -> None:
+    """Compute the deferred results among those that `reads` read (before anything reads
+    them)."""
+    for read in reads:
+        if read[0] != "multi" and read[1] in graph.deferred:
+            compute_deferred(graph, read[1])
+
+
+def compute_deferred(graph: "Graph", batch: int) -> torch.Tensor:
+    """The result of deferred batch `batch`, computed now, stored in `graph.values` and counted
+    as a launch. Run in the modes of a forward's kernels (`Graph.result` enters them); the
+    capture of torch calls is off."""
+    deferred = graph.deferred[batch]
+    for source, result, version in deferred.sources:
+        if graph.values[source] is not result or result._version != version:
+            first = int(deferred.nodes[0])
+            raise ExecutionError(
+                f"{graph.op_of(first).name} node #{first} is read, but it was not computed by "
+                f"its forward (its only reader there took projections instead) and a result "
+                f"it reads was written in place or rebound since: its value as of then cannot "
+                f"be computed anymore. Ask for its value before the write (or read it in the "
+                f"forward that computes its reader)")
+    nodes = deferred.nodes
+    op = graph.op_of(int(nodes[0]))
+    with torch._C.DisableTorchFunction():
+        value = _run_batch(graph, nodes, op, deferred.batch_read, deferred.reads,
+                           deferred.indices, {})
+    del graph.deferred[batch]
+    graph.values[batch] = value
+    graph.launches.append((graph.sig_of(int(nodes[0])), len(nodes)))
+    return value
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -333,7 +406,7 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
     `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
     parser or of `map_batched` reads rows of several earlier results. The reads in `plain`,
-    which no backward reaches, are left to be read as they are."""
+    those of deferred concats, are not made."""
     values = graph.values
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
@@ -342,7 +415,9 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
         if source >= first_batch or not values[source].requires_grad:
             continue
         read_ids, gather, sizes, piece_of = fan_out
-        if not _behind_sink(values[source]) or plain.issuperset(read_ids):
+        if plain.issuperset(read_ids):
+            continue  # read by deferred concats only
+        if not _behind_sink(values[source]):
             _fan_out(graph, source, fan_out, indices, pieces)  # as a result of this forward
             continue
         fanned.update(read_ids)
