@@ -140,9 +140,14 @@ def test_a_deferred_concat_read_later_gives_eager_values_and_gradients(strategy)
             scores.append([fb.affine(p["M"], f, p["m"]) for f in feats[-1]])
             g.forward(scores[-1])
         assert (len(g.deferred) > 0) == (strategy != "none")
-        # a value request of one, then a later forward reading every one
+        # value requests (of one, of a step's stacked, of a step's as a list), then a later
+        # forward reading every one
         torch.testing.assert_close(feats[-1][0].value(), eager_feats[-1][0], rtol=1e-12,
                                    atol=1e-12)
+        torch.testing.assert_close(g.forward(feats[-2], stack=True),
+                                   torch.stack(eager_feats[-2]), rtol=1e-12, atol=1e-12)
+        for got, want in zip(g.forward(feats[-3]), eager_feats[-3]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         loss = fb.esum([fb.sum_elems(f) for step in feats for f in step] +
                        [fb.sum_elems(s) for step in scores for s in step])
         torch.testing.assert_close(loss.value(), want_loss, rtol=1e-12, atol=1e-12)

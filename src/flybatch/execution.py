@@ -23,7 +23,8 @@ A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is:
 of its size per read costs less than a sink.
 A shared-weight product of a concat of rows of earlier forwards' results (a parser's scores of
 its encoder states) gathers projections of those results by the weight's blocks instead of
-multiplying, once that pays (projection.py; `_plan_projections`).
+multiplying, once that pays (projection.py; `_plan_projections`); the concat batch, which
+nothing in that forward reads any more, is deferred: run only if something reads it later.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
