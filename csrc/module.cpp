@@ -477,6 +477,24 @@ PyObject* read_tuple(const flybatch::Read& r, const flybatch::ReadPlan& plan) {
                                whole.get()));
 }
 
+// Per batch, what its launch needs to know of its first node (kPlanReadsDoc): one tuple per
+// batch, made here, instead of five calls into the store per launch.
+PyObject* batch_heads(const flybatch::Store* store, const flybatch::ScheduledForward& forward) {
+  const flybatch::Columns& c = *store->nodes;
+  Owned heads(PyList_New(static_cast<Py_ssize_t>(forward.batches)));
+  for (i64 b = 0; b < forward.batches; ++b) {
+    const i64 first = forward.order[b == 0 ? 0 : forward.ends[b - 1]];
+    PyObject* attr = (*store->attrs)[first];
+    PyList_SET_ITEM(heads.get(), b,
+                    checked(Py_BuildValue("(LOLOOO)", first,
+                                          flybatch::op_object(c.op.data()[first]),
+                                          c.sig.data()[first], attr ? attr : Py_None,
+                                          (*store->shape_tuples)[c.shape.data()[first]],
+                                          c.no_grad.data()[first] ? Py_True : Py_False)));
+  }
+  return heads.release();
+}
+
 // (reads, batch_reads, fan_outs, indices): the ReadPlan as Python data (see kPlanReadsDoc).
 PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
   Owned reads(PyList_New(static_cast<Py_ssize_t>(plan.reads.size())));
@@ -511,7 +529,8 @@ PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
 }
 
 const char kPlanReadsDoc[] =
-    "plan_reads(graph, first_batch, order, ends) -> (reads, batch_reads, fan_outs, indices)\n\n"
+    "plan_reads(graph, first_batch, order, ends)\n"
+    "    -> (reads, batch_reads, fan_outs, indices, heads)\n\n"
     "How each batch of a scheduled forward reads its arguments (csrc/execute.h). order, ends:\n"
     "the forward's node ids batch after batch and where each batch ends (int64 arrays);\n"
     "first_batch: the global index of its first batch. The graph's columns (inputs, node_batch,\n"
@@ -524,7 +543,9 @@ const char kPlanReadsDoc[] =
     "  fan_outs: source -> (read ids, gather at or None, sizes, piece of each read): the\n"
     "         result (or one gather of the rows listed from `gather` on) split into `sizes`;\n"
     "  indices: the int64 row numbers, permutations, arities, widths and lengths that an `at`\n"
-    "         points into.";
+    "         points into;\n"
+    "  heads: per batch, (its first node, that node's op, signature, attr, shape, and whether\n"
+    "         it was written under no_grad): what its launch needs, in one tuple.";
 
 PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"graph", "first_batch", "order", "ends", nullptr};
@@ -575,7 +596,12 @@ PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
     forward.leading = leading.data();
     const flybatch::ReadPlan plan = flybatch::plan_reads(
         forward, [&, &traits = op_traits()](i64 node) { return traits[c.op[node]].layout; });
-    return plan_to_python(plan);
+    Owned planned(plan_to_python(plan));
+    Owned heads(batch_heads(store, forward));
+    return checked(PyTuple_Pack(5, PyTuple_GET_ITEM(planned.get(), 0),
+                                PyTuple_GET_ITEM(planned.get(), 1),
+                                PyTuple_GET_ITEM(planned.get(), 2),
+                                PyTuple_GET_ITEM(planned.get(), 3), heads.get()));
   });
 }
 

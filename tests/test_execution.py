@@ -27,7 +27,7 @@ class Planned:
         g._grow_positions(g.n_nodes)
         self.graph = g
         self.schedule = scheduling.schedule(g, g.n_done, g.n_nodes)
-        self.reads, self.batch_reads, self.fan_outs, index_bytes = _core.plan_reads(
+        self.reads, self.batch_reads, self.fan_outs, index_bytes, self.heads = _core.plan_reads(
             graph=g, first_batch=self.schedule.first_batch, order=self.schedule.order,
             ends=self.schedule.ends)
         self.indices = np.frombuffer(index_bytes, np.int64).tolist()
@@ -157,6 +157,25 @@ def test_a_ragged_batch_reads_every_argument_flat_and_each_nodes_arity():
         read_ids, stacked, arities, *_ = planned.batch_reads[planned.batch_of(sums[0])]
         assert [planned.reads[k] for k in read_ids] == [("view", planned.batch_of(hs[0]), 0, 3)]
         assert stacked == 0 and planned.indices[arities:arities + 2] == [2, 1]
+
+
+def test_each_batch_is_planned_with_its_first_nodes_op_signature_attr_shape_and_grad_mode():
+    """What a launch needs to know of its batch comes with the plan, one tuple per batch,
+    instead of one call into the store each."""
+    with fb.Graph(strategy="agenda") as g:
+        xs = _inputs(3)
+        hs = [fb.tanh(x) for x in xs]
+        with torch.no_grad():
+            picked = [fb.pick(h, 1) for h in hs]
+        sums = [fb.esum(hs[:2]), fb.esum(hs[1:])]
+        planned = Planned(g)
+        assert len(planned.heads) == len(planned.schedule.batches)
+        for nodes, head in zip(planned.schedule.batches, planned.heads):
+            first = int(nodes[0])
+            assert head == (first, g.op_of(first), g.sig_of(first), g.attr_of(first),
+                            g.shape_of(first), g.is_no_grad(first))
+        assert planned.heads[planned.batch_of(picked[0]) - planned.schedule.first_batch][5]
+        assert not planned.heads[planned.batch_of(sums[0]) - planned.schedule.first_batch][5]
 
 
 def test_a_padded_batch_reads_each_argument_at_its_longest_and_each_nodes_length():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flybatch as fb
-from flybatch import _core, kernels
+from flybatch import _core, kernels, signatures
+from flybatch.errors import ExecutionError
 
 STRATEGIES = ["none", "depth", "agenda", "auto"]
 TOKENS, WIDTH, FEATURES, OUT = 24, 5, 4, 5
@@ -97,6 +98,81 @@ def test_each_source_is_projected_once_and_each_later_step_gathers_instead_of_mu
     assert products == 1 + direct + projections.products  # the encoder's product, W's
     # Both projections multiply by one copy of M's blocks (autograd saves it once)
     assert len(projections.blocks) == 1
+
+
+def test_the_concat_of_a_product_that_gathers_projections_is_not_run():
+    """Its only reader gathers projections instead of reading it: the concat batch is deferred
+    (no launch, no reads), and the steps before the projections pay run it."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    with fb.Graph(strategy="agenda") as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        for step in steps:
+            g.forward([fb.affine(p["M"], fb.concat(
+                [p["pad"] if t is None else states[t] for t in features]), p["m"])
+                for features in step])
+        gathered = g.projections.batches
+        assert 0 < gathered < len(steps)
+        assert len(g.deferred) == gathered
+        concats = [size for sig, size in g.launches
+                   if signatures.describe(sig, g).startswith("concat")]
+        assert concats == [len(steps[0])] * (len(steps) - gathered)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_deferred_concat_read_later_gives_eager_values_and_gradients(strategy):
+    """A concat left uncomputed by its forward is computed when a later forward or a value
+    request reads it, from the results it read: eager values and gradients."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    eager_feats = [[torch.cat([p["pad"] if t is None else torch.tanh(p["W"] @ p["E"][t])
+                               for t in features]) for features in step] for step in steps]
+    want_scores = [torch.stack([p["M"] @ f + p["m"] for f in step]) for step in eager_feats]
+    want_loss = sum(f.sum() for step in eager_feats for f in step) + \
+        sum(s.sum() for s in want_scores)
+    want_grads = torch.autograd.grad(want_loss, list(p.values()))
+    with fb.Graph(strategy=strategy) as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        feats, scores = [], []
+        for step in steps:
+            feats.append([fb.concat([p["pad"] if t is None else states[t] for t in features])
+                          for features in step])
+            scores.append([fb.affine(p["M"], f, p["m"]) for f in feats[-1]])
+            g.forward(scores[-1])
+        assert (len(g.deferred) > 0) == (strategy != "none")
+        # value requests (of one, of a step's stacked, of a step's as a list), then a later
+        # forward reading every one
+        torch.testing.assert_close(feats[-1][0].value(), eager_feats[-1][0], rtol=1e-12,
+                                   atol=1e-12)
+        torch.testing.assert_close(g.forward(feats[-2], stack=True),
+                                   torch.stack(eager_feats[-2]), rtol=1e-12, atol=1e-12)
+        for got, want in zip(g.forward(feats[-3]), eager_feats[-3]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        loss = fb.esum([fb.sum_elems(f) for step in feats for f in step] +
+                       [fb.sum_elems(s) for step in scores for s in step])
+        torch.testing.assert_close(loss.value(), want_loss, rtol=1e-12, atol=1e-12)
+        assert not g.deferred
+        loss.backward()
+    for got, want in zip([q.grad for q in p.values()], want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reading_a_deferred_concat_after_its_input_was_written_in_place_raises():
+    """Eagerly the concat holds its inputs as they were; computed after a write into one, it
+    would hold the new values: flybatch refuses, naming the write."""
+    p, steps = _parameters(), _steps(n_steps=12)
+    with fb.Graph(strategy="agenda") as g:
+        states = [fb.tanh(p["W"] @ fb.lookup(p["E"], i)) for i in range(TOKENS)]
+        g.forward()
+        for step in steps:
+            feats = [fb.concat([p["pad"], *[states[t or 0] for t in features[1:]]])
+                     for features in step]
+            g.forward([fb.affine(p["M"], f, p["m"]) for f in feats])
+        assert feats[0].id in {int(v) for d in g.deferred.values() for v in d.nodes}
+        with torch.no_grad():
+            p["pad"].add_(1.0)
+        with pytest.raises(ExecutionError, match="written in place or rebound"):
+            feats[0].value()
 
 
 def test_a_large_result_read_by_few_later_rows_is_not_projected():

@@ -23,7 +23,8 @@ A small result (under SINK_MIN_ELEMENTS) is read as a result of this forward is:
 of its size per read costs less than a sink.
 A shared-weight product of a concat of rows of earlier forwards' results (a parser's scores of
 its encoder states) gathers projections of those results by the weight's blocks instead of
-multiplying, once that pays (projection.py; `_plan_projections`).
+multiplying, once that pays (projection.py; `_plan_projections`); the concat batch, which
+nothing in that forward reads any more, is deferred: run only if something reads it later.
 
 The plan (the reads, each batch's reads and the fan-outs) is made by the compiled core
 (csrc/execute.cpp, `_core.plan_reads`) from the schedule and the store's columns, as data; this
@@ -59,65 +60,80 @@ Read = tuple
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
     # (graph, first_batch, order, ends) by position: keywords cost the call ~1 us to parse
-    reads, batch_reads, fan_outs, index_bytes = _core.plan_reads(
+    reads, batch_reads, fan_outs, index_bytes, heads = _core.plan_reads(
         graph, plan.first_batch, plan.order, plan.ends)
+    if graph.deferred:  # results this forward reads that an earlier one left uncomputed
+        _compute_deferred(graph, reads)
     indices = _Indices(index_bytes)
     pieces: dict[int, torch.Tensor] = {}
     projected: dict[int, tuple] = {}
+    deferred: set[int] = set()
     if plan.first_batch:
-        projected, plain = _plan_projections(graph, plan, batch_reads, reads)
+        projected, deferred, plain = _plan_projections(graph, plan, heads, batch_reads, reads)
         _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
-    values, shape_of, attr_of = graph.values, graph.shape_of, graph.attr_of
-    for batch, (nodes, (arg_reads, stacked, arities, widths, lengths, uneven)) in enumerate(
-            zip(plan.batches, batch_reads), plan.first_batch):
-        first = int(nodes[0])
-        op = graph.op_of(first)
+    values, launches = graph.values, graph.launches
+    for batch, (nodes, head, batch_read) in enumerate(zip(plan.batches, heads, batch_reads),
+                                                      plan.first_batch):
+        op = head[1]
         if op.leaf:
-            values.append(_guarded(graph, nodes, op.kernel, graph, nodes))
-        elif op.picks_from_input and _run_picked(graph, nodes, arg_reads[0], reads, indices,
-                                                  pieces, plan.first_batch):
-            graph.launches.append((graph.sig_of(first), len(nodes)))
+            values.append(_guarded(graph, nodes, False, op.kernel, graph, nodes))
+        elif op.picks_from_input and _run_picked(graph, nodes, head, batch_read[0][0], reads,
+                                                  indices, pieces, plan.first_batch):
+            launches.append((head[2], len(nodes)))
         elif batch in projected:
-            values.append(_guarded_in_mode(graph, nodes, _gather_projections, graph, nodes,
-                                           *projected[batch]))
-            graph.launches.append((graph.sig_of(first), len(nodes)))
+            values.append(_guarded(graph, nodes, head[5], _gather_projections, graph, nodes,
+                                   *projected[batch]))
+            launches.append((head[2], len(nodes)))
+        elif batch in deferred:  # computed only if a later forward or value request reads it
+            values.append(None)
+            graph.deferred[batch] = _Deferred(nodes, head, batch_read, reads, indices,
+                                              _sources(graph, batch_read[0], reads))
         else:
-            size = len(nodes)
-            # Rows to narrow or pad to the width read: from a result stored padded, or for a
-            # padded op's nodes of different lengths.
-            if graph.padded or lengths is not None:
-                widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
-                xs = [_resolve(graph, r, reads, indices, pieces, width)
-                      for r, width in zip(arg_reads, widths)]
-            else:
-                xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
-            if op.ragged:  # each node's number of list items
-                attr = indices.numpy[arities:arities + size]
-            else:
-                if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
-                    x, arg_shape = xs[0], xs[0].shape[1:]
-                    if x.shape[0] != size * stacked:  # one node read by all, broadcast
-                        x = x.expand(size * stacked, *arg_shape)
-                    xs[0] = x.reshape(size, stacked, *arg_shape)
-                attr = attr_of(first)
-                if op.per_node_attrs:  # and each node's int (index, row), read in one call
-                    attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
-            args = (xs, attr, shape_of(first))
-            if op.padded:  # and each node's length, when they differ
-                args += (None if lengths is None else indices.numpy[lengths:lengths + size],)
-            out = _guarded_in_mode(graph, nodes, op.kernel, *args)
-            if out.shape[0] != size:
-                out = out.expand(size, *out.shape[1:])
-            values.append(out)
-            graph.launches.append((graph.sig_of(first), size))
+            values.append(_run_batch(graph, nodes, head, batch_read, reads, indices, pieces))
+            launches.append((head[2], len(nodes)))
         source = len(values) - 1
-        if uneven:
+        if batch_read[5]:  # uneven: its nodes' shapes differ
             graph.padded.add(source)
         if source in fan_outs:
             _fan_out(graph, source, fan_outs[source], indices, pieces)
 
 
-def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
+def _run_batch(graph: "Graph", nodes: np.ndarray, head: tuple, batch_read: tuple,
+               reads: list[Read], indices: "_Indices",
+               pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The result of a batch run by its op's kernel on its arguments, read as planned."""
+    _, op, _, attr, shape, no_grad = head
+    arg_reads, stacked, arities, widths, lengths, _ = batch_read
+    size = len(nodes)
+    # Rows to narrow or pad to the width read: from a result stored padded, or for a padded
+    # op's nodes of different lengths.
+    if graph.padded or lengths is not None:
+        widths = indices.numpy[widths:widths + len(arg_reads)].tolist()
+        xs = [_resolve(graph, r, reads, indices, pieces, width)
+              for r, width in zip(arg_reads, widths)]
+    else:
+        xs = [_resolve(graph, r, reads, indices, pieces) for r in arg_reads]
+    if op.ragged:  # each node's number of list items
+        attr = indices.numpy[arities:arities + size]
+    else:
+        if stacked:  # one read of all arguments: [B * k, ...] -> [B, k, ...]
+            x, arg_shape = xs[0], xs[0].shape[1:]
+            if x.shape[0] != size * stacked:  # one node read by all, broadcast
+                x = x.expand(size * stacked, *arg_shape)
+            xs[0] = x.reshape(size, stacked, *arg_shape)
+        if op.per_node_attrs:  # and each node's int (index, row), read in one call
+            attr = (attr, np.frombuffer(graph.indices(nodes), np.int64))
+    if op.padded:  # and each node's length, when they differ
+        out = _guarded(graph, nodes, no_grad, op.kernel, xs, attr, shape,
+                       None if lengths is None else indices.numpy[lengths:lengths + size])
+    else:
+        out = _guarded(graph, nodes, no_grad, op.kernel, xs, attr, shape)
+    if out.shape[0] != size:
+        out = out.expand(size, *out.shape[1:])
+    return out
+
+
+def _run_picked(graph: "Graph", nodes: np.ndarray, head: tuple, k: int, reads: list[Read],
                 indices: "_Indices", pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
     """A pick batch whose input is rows of results of this forward, run as one index of each
     result (appended to graph.values): the element picked, not each node's whole input, is
@@ -145,31 +161,33 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, k: int, reads: list[Read],
             rows = indices.rows(at, length, tensor)
             graph.gathers += 1
         index = torch.from_numpy(picked[done:done + size]).to(tensor.device)
-        out.append(_guarded(graph, nodes, tensor.__getitem__, (rows, index)))
+        out.append(_guarded(graph, nodes, False, tensor.__getitem__, (rows, index)))
         done += size
     value = out[0] if len(out) == 1 else torch.cat(out)
     if inverse is not None:
         value = value.index_select(0, indices.rows(inverse, len(nodes), value))
-    if graph.is_no_grad(int(nodes[0])):
+    if head[5]:
         value = value.detach()  # written under torch.no_grad(): no gradient, as eagerly
     graph.values.append(value)
     return True
 
 
-def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
-                      reads: list[Read]) -> tuple[dict[int, tuple], set[int]]:
+def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: list,
+                      reads: list[Read]) -> tuple[dict[int, tuple], set[int], set[int]]:
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
-    the weight, the bias); and the reads of their concat batches. The concats still run (a
-    later forward may read their nodes), but their only reader here no longer does, so no
-    backward reaches their reads: those are read as they are, not through gradient sinks."""
+    the weight, the bias); their concat batches; and the reads of those. A concat's only reader
+    here no longer reads it, so it is not run: it is *deferred* (`_Deferred`), computed only
+    if a later forward or a value request reads its nodes (a parser never does: ~1 launch and
+    ~5 reads per step, 2-4 ms of its ~40 ms evaluation minibatch, 2026-11-24), and its reads
+    are not made (`plain`: nor through gradient sinks, nor fanned out)."""
     first_batch, values = plan.first_batch, graph.values
-    projected, plain = {}, set()
+    projected, deferred, plain = {}, set(), set()
     readers = None  # source batch -> how many reads of this forward read it
-    for batch, (nodes, (arg_reads, *_)) in enumerate(zip(plan.batches, batch_reads),
-                                                     first_batch):
-        if graph.op_of(int(nodes[0])).name != "affine":
+    for batch, (nodes, head, (arg_reads, *_)) in enumerate(
+            zip(plan.batches, heads, batch_reads), first_batch):
+        if head[1].name != "affine":
             continue
         w_read, x_read, b_read = (reads[k] for k in arg_reads)
         if x_read[0] != "view" or x_read[1] < first_batch or w_read[0] != "view" \
@@ -179,8 +197,8 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
         concat_reads, _, _, _, lengths, _ = batch_reads[concat]
         concat_nodes = plan.batches[concat]
         weight, bias = values[w_read[1]], values[b_read[1]]
-        if graph.op_of(int(concat_nodes[0])).name != "concat" or lengths is not None \
-                or graph.attr_of(int(concat_nodes[0])) != 0 or weight.dim() != 3 \
+        if heads[concat][1].name != "concat" or lengths is not None \
+                or heads[concat][3] != 0 or weight.dim() != 3 \
                 or weight.shape[0] != 1 or bias.shape[0] != 1:
             continue
         if readers is None:
@@ -188,15 +206,15 @@ def _plan_projections(graph: "Graph", plan: Schedule, batch_reads: list,
         if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
             continue
         # (guarded: a projection is this batch's kernel, its time kernel time)
-        gather = _guarded_in_mode(graph, nodes, projection.plan, graph, concat_nodes,
-                                  slice(x_read[2], x_read[2] + x_read[3]), w_read[1],
-                                  first_batch)
+        gather = _guarded(graph, nodes, head[5], projection.plan, graph, concat_nodes,
+                          slice(x_read[2], x_read[2] + x_read[3]), w_read[1], first_batch)
         if gather is not None:
             projected[batch] = (*gather, weight, bias)
+            deferred.add(x_read[1])
             plain.update(k for read in concat_reads
                          for k in ((read,) + (reads[read][1] if reads[read][0] == "multi"
                                               else ())))
-    return projected, plain
+    return projected, deferred, plain
 
 
 def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndarray,
@@ -220,6 +238,61 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
     x = next((s for s in sources if s.requires_grad), sources[0])
     kernels.flops.add(n * out, weight.shape[2], x, weight)
     return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
+
+
+class _Deferred:
+    """A concat batch that `run` left uncomputed (`_plan_projections`): what computing it later
+    needs, its plan as of its forward, and the results it reads, each with its version then.
+    A later computation reads those results as they are then: equal, unless one was written
+    in place or rebound since, which `compute_deferred` refuses."""
+
+    __slots__ = ("nodes", "head", "batch_read", "reads", "indices", "sources")
+
+    def __init__(self, nodes: np.ndarray, head: tuple, batch_read: tuple, reads: list[Read],
+                 indices: "_Indices", sources: list[tuple[int, torch.Tensor, int]]):
+        self.nodes, self.head, self.batch_read = nodes, head, batch_read
+        self.reads, self.indices, self.sources = reads, indices, sources
+
+
+def _sources(graph: "Graph", arg_reads: tuple, reads: list[Read]) -> list[tuple]:
+    """(batch, its result, the result's version) of each result that `arg_reads` read."""
+    batches = set()
+    for k in arg_reads:
+        read = reads[k]
+        batches.update([reads[p][1] for p in read[1]] if read[0] == "multi" else (read[1],))
+    return [(b, graph.values[b], graph.values[b]._version) for b in sorted(batches)]
+
+
+def _compute_deferred(graph: "Graph", reads: list[Read]) -> None:
+    """Compute the deferred results among those that `reads` read (before anything reads
+    them)."""
+    for read in reads:
+        if read[0] != "multi" and read[1] in graph.deferred:
+            compute_deferred(graph, read[1])
+
+
+def compute_deferred(graph: "Graph", batch: int) -> torch.Tensor:
+    """The result of deferred batch `batch`, computed now, stored in `graph.values` and counted
+    as a launch. Run in the modes of a forward's kernels (`Graph.result` enters them); the
+    capture of torch calls is off."""
+    deferred = graph.deferred[batch]
+    for source, result, version in deferred.sources:
+        if graph.values[source] is not result or result._version != version:
+            first, op = deferred.head[:2]
+            raise ExecutionError(
+                f"{op.name} node #{first} is read, but it was not computed by "
+                f"its forward (its only reader there took projections instead) and a result "
+                f"it reads was written in place or rebound since: its value as of then cannot "
+                f"be computed anymore. Ask for its value before the write (or read it in the "
+                f"forward that computes its reader)")
+    nodes, head = deferred.nodes, deferred.head
+    with torch._C.DisableTorchFunction():
+        value = _run_batch(graph, nodes, head, deferred.batch_read, deferred.reads,
+                           deferred.indices, {})
+    del graph.deferred[batch]
+    graph.values[batch] = value
+    graph.launches.append((head[2], len(nodes)))
+    return value
 
 
 def _refresh_parameters(graph: "Graph") -> None:
@@ -254,22 +327,14 @@ def _refresh_parameters(graph: "Graph") -> None:
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _guarded_in_mode(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
-    """`_guarded`, under no_grad when the batch was written under torch.no_grad() (the whole
-    batch was): a forward runs with grad on (graph.forward), and each node's own mode decides."""
-    if not graph.is_no_grad(int(nodes[0])):
-        return _guarded(graph, nodes, kernel, *args)
-    _set_grad_enabled(False)
-    try:
-        return _guarded(graph, nodes, kernel, *args)
-    finally:
-        _set_grad_enabled(True)
-
-
-def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
-    """Run a batch's kernel; a failure names the op, its signature and nodes (and, in debug
-    mode, the lines that wrote them) instead of surfacing as a bare torch error. Its time is
-    added to `graph.kernel_seconds` when that counter is on."""
+def _guarded(graph: "Graph", nodes: np.ndarray, no_grad: bool, kernel, *args) -> torch.Tensor:
+    """Run a batch's kernel, under no_grad when the batch was written under torch.no_grad()
+    (the whole batch was: a forward runs with grad on, and each node's own mode decides); a
+    failure names the op, its signature and nodes (and, in debug mode, the lines that wrote
+    them) instead of surfacing as a bare torch error. Its time is added to
+    `graph.kernel_seconds` when that counter is on."""
+    if no_grad:
+        _set_grad_enabled(False)
     try:
         if graph.kernel_seconds is None:
             return kernel(*args)
@@ -289,6 +354,9 @@ def _guarded(graph: "Graph", nodes: np.ndarray, kernel, *args) -> torch.Tensor:
         else:
             message += "\n  (create the graph with fb.Graph(debug=True) to see where it was written)"
         raise ExecutionError(message) from error
+    finally:
+        if no_grad:
+            _set_grad_enabled(True)
 
 
 # ---- running reads ----------------------------------------------------------------------------
@@ -333,7 +401,7 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
     gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
     `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
     parser or of `map_batched` reads rows of several earlier results. The reads in `plain`,
-    which no backward reaches, are left to be read as they are."""
+    those of deferred concats, are not made."""
     values = graph.values
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
@@ -342,7 +410,9 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
         if source >= first_batch or not values[source].requires_grad:
             continue
         read_ids, gather, sizes, piece_of = fan_out
-        if not _behind_sink(values[source]) or plain.issuperset(read_ids):
+        if plain.issuperset(read_ids):
+            continue  # read by deferred concats only
+        if not _behind_sink(values[source]):
             _fan_out(graph, source, fan_out, indices, pieces)  # as a result of this forward
             continue
         fanned.update(read_ids)

@@ -297,7 +297,11 @@ class Graph(_core.Store):
         # node_row columns, filled by the scheduler; nodes below `n_done` (a store field) are
         # computed.
         self.forward_ends: list[int] = []  # n_done after each forward: depth is per segment
-        self.values: list[torch.Tensor] = []
+        self.values: list[torch.Tensor | None] = []  # None: deferred (below), until read
+        # Batches that a forward left uncomputed, since no reader needed them then (a concat
+        # whose product took projections instead): batch -> what computing it needs
+        # (execution._Deferred). `result` computes one when something reads it.
+        self.deferred: dict[int, Any] = {}
         # The batches whose result may be stored padded (rows longer than some nodes' shapes:
         # a padded op's nodes of different lengths); a value read from one is narrowed.
         self.padded: set[int] = set()
@@ -711,6 +715,8 @@ class Graph(_core.Store):
                 # Leave nothing half-executed: the pending nodes stay pending, so the graph is
                 # exactly as it was before this forward and a later forward can retry.
                 del self.values[n_batches:]
+                for batch in [b for b in self.deferred if b >= n_batches]:
+                    del self.deferred[batch]
                 del self.launches[n_launches:]
                 self.gathers, self.gathers_avoided = counters
                 self.unschedule(start, n_batches)
@@ -735,7 +741,17 @@ class Graph(_core.Store):
             return [self.value_of(node) for node in nodes]
         values, position = self.values, self.position
         with _no_capture(), torch.enable_grad():  # once for all rows (a parser: 64 per step)
+            if self.deferred:
+                return [self.result(batch)[row] for batch, row in map(position, nodes)]
             return [values[batch][row] for batch, row in map(position, nodes)]
+
+    def result(self, batch: int) -> torch.Tensor:
+        """The result of batch `batch` (of `values`), computed now if its forward deferred it."""
+        value = self.values[batch]
+        if value is None:
+            with self._kernel_modes():
+                value = execution.compute_deferred(self, batch)
+        return value
 
     def _kernel_modes(self) -> contextlib.AbstractContextManager:
         """Grad mode on, inference mode and autocast off, for the kernels; nothing to enter
@@ -758,6 +774,8 @@ class Graph(_core.Store):
         index_select of the rows numbered in `rows`."""
         with _no_capture(), torch.enable_grad():
             source = self.values[batch]
+            if source is None:
+                source = self.result(batch)
             if batch in self.padded:  # rows as long as the longest node's: the nodes' length
                 source = source.narrow(1, 0, exprs[0].shape[0])
             if rows is None:
@@ -787,7 +805,7 @@ class Graph(_core.Store):
         # The row keeps the node's autograd history whatever the caller's grad mode, as an
         # eager tensor does (`backward()` under `torch.no_grad()` of a loss made with grad).
         with _no_capture(), torch.enable_grad():
-            value = self.values[batch][row]
+            value = self.result(batch)[row]
             if batch in self.padded:  # the node's own length of a padded row
                 value = value.narrow(0, 0, self.shape_of(node)[0])
             return value
@@ -907,6 +925,7 @@ class Graph(_core.Store):
                     self._write_back()
         super().close()
         self.values = []
+        self.deferred = {}
         self.padded = set()
         self.sinks = {}
         self.projections = projection.Projections()
