@@ -114,6 +114,8 @@ def test_the_concat_of_a_product_that_gathers_projections_is_not_run():
         gathered = g.projections.batches
         assert 0 < gathered < len(steps)
         assert len(g.deferred) == gathered
+        stats = g.stats()  # the schedule's launches: run, and deferred
+        assert stats.deferred == gathered and stats.launches_over_bound == 1.0
         concats = [size for sig, size in g.launches
                    if signatures.describe(sig, g).startswith("concat")]
         assert concats == [len(steps[0])] * (len(steps) - gathered)
