@@ -29,8 +29,10 @@ namespace {
 PyObject* g_materialize = nullptr;      // capture.views._materialize(base, shape)
 PyObject* g_pick_nls = nullptr;         // ops.pick_neg_log_softmax
 PyObject* g_cross_entropy = nullptr;    // torch.nn.functional.cross_entropy
-PyObject* g_unsqueezes = nullptr;       // frozenset: Tensor.unsqueeze, torch.unsqueeze
-PyObject* g_reshapes = nullptr;         // frozenset: Tensor.view, Tensor.reshape, torch.reshape
+// Tensor.unsqueeze, torch.unsqueeze; Tensor.view, Tensor.reshape, torch.reshape (compared by
+// identity: every recorded call asks)
+PyObject* g_unsqueezes[2] = {};
+PyObject* g_reshapes[3] = {};
 PyObject* g_int64_dtype = nullptr;      // torch.int64
 PyObject* s_reduction = nullptr;        // "reduction"
 PyObject* s_ignore = nullptr;           // "ignore_index"
@@ -106,8 +108,9 @@ PyObject* reshaped_to(Expression* e, const std::vector<i64>& dims) {
 
 // unsqueeze / view / reshape of an expression: a view (NULL where the handler decides).
 PyObject* reshaped(PyObject* func, PyObject* args, PyObject* kwargs) {
-  const bool unsqueeze = PySet_Contains(g_unsqueezes, func) == 1;
-  if (!unsqueeze && PySet_Contains(g_reshapes, func) != 1) return nullptr;
+  const bool unsqueeze = func == g_unsqueezes[0] || func == g_unsqueezes[1];
+  if (!unsqueeze && func != g_reshapes[0] && func != g_reshapes[1] && func != g_reshapes[2])
+    return nullptr;
   Expression* e = reinterpret_cast<Expression*>(PyTuple_GET_ITEM(args, 0));
   if (PyDict_GET_SIZE(kwargs) || e->graph->closed || !grad_enabled() ||
       length_led(e->graph, e->id))
@@ -263,12 +266,18 @@ PyObject* view_call(PyObject* func, PyObject* args, PyObject* kwargs) {
   return reshaped(func, args, kwargs);
 }
 
-// `x[0]` / `x[-1]` of a view whose first dim is 1: a view of the rest. NULL (no error) for
-// anything else, which the `x[i]` rule decides.
+// `x[0]` / `x[-1]` of a view whose first dim is 1, with grad enabled: a view of the rest. NULL
+// (no error) for anything else, which the `x[i]` rule decides (under no_grad: a pick node
+// without gradient, as eagerly, where the view would be its base's node itself).
 PyObject* view_getitem(PyObject* x, PyObject* index) {
   if (!is_handle(x) || !PyLong_CheckExact(index)) return nullptr;
   Expression* e = reinterpret_cast<Expression*>(x);
   if (e->view < 0 || e->graph->closed) return nullptr;
+  try {
+    if (!grad_enabled()) return nullptr;
+  } catch (const PythonError&) {
+    return nullptr;  // (the error stays set: the caller returns it)
+  }
   const long long at = PyLong_AsLongLong(index);
   if (at == -1 && PyErr_Occurred()) {
     PyErr_Clear();
@@ -288,19 +297,25 @@ const char kConfigureViewsDoc[] =
     "int64)\n\n"
     "What node-free views call and recognise: the function making a view's reshape node "
     "(base, shape) -> Expression, the fb op a one-class cross-entropy becomes, F.cross_entropy, "
-    "the unsqueeze and view / reshape functions (frozensets) and torch.int64.";
+    "the unsqueeze functions (2) and the view / reshape functions (3), tuples, and torch.int64.";
 
 PyObject* configure_views(PyObject*, PyObject* args) {
   PyObject *materialize_fn, *pick, *cross_entropy, *unsqueezes, *reshapes, *int64;
   if (!PyArg_ParseTuple(args, "OOOO!O!O:configure_views", &materialize_fn, &pick,
-                        &cross_entropy, &PyFrozenSet_Type, &unsqueezes, &PyFrozenSet_Type,
-                        &reshapes, &int64))
+                        &cross_entropy, &PyTuple_Type, &unsqueezes, &PyTuple_Type, &reshapes,
+                        &int64))
     return nullptr;
+  if (PyTuple_GET_SIZE(unsqueezes) != 2 || PyTuple_GET_SIZE(reshapes) != 3) {
+    PyErr_SetString(PyExc_TypeError, "configure_views: 2 unsqueeze and 3 reshape functions");
+    return nullptr;
+  }
   Py_XSETREF(g_materialize, Py_NewRef(materialize_fn));
   Py_XSETREF(g_pick_nls, Py_NewRef(pick));
   Py_XSETREF(g_cross_entropy, Py_NewRef(cross_entropy));
-  Py_XSETREF(g_unsqueezes, Py_NewRef(unsqueezes));
-  Py_XSETREF(g_reshapes, Py_NewRef(reshapes));
+  for (Py_ssize_t k = 0; k < 2; ++k)
+    Py_XSETREF(g_unsqueezes[k], Py_NewRef(PyTuple_GET_ITEM(unsqueezes, k)));
+  for (Py_ssize_t k = 0; k < 3; ++k)
+    Py_XSETREF(g_reshapes[k], Py_NewRef(PyTuple_GET_ITEM(reshapes, k)));
   Py_XSETREF(g_int64_dtype, Py_NewRef(int64));
   Py_RETURN_NONE;
 }

@@ -159,8 +159,9 @@ def test_a_view_taken_under_no_grad_carries_no_gradient():
         live = h.unsqueeze(0)
         with torch.no_grad():
             (live * 2).sum()
+            row = live[0]  # of a view taken with grad: no gradient either
         return F.cross_entropy(frozen * h, torch.tensor([1]), reduction="sum") + \
-            F.cross_entropy(live, torch.tensor([2]), reduction="sum")
+            F.cross_entropy(live, torch.tensor([2]), reduction="sum") + (row * h).sum()
 
     eager = loss()
     eager.backward()

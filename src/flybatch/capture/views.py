@@ -23,5 +23,5 @@ def _materialize(base: Expression, shape: tuple) -> Expression:
 
 _RESHAPE = _HANDLERS[T.reshape]
 _core.configure_views(_materialize, ops.pick_neg_log_softmax, F.cross_entropy,
-                      frozenset({T.unsqueeze, torch.unsqueeze}),
-                      frozenset({T.view, T.reshape, torch.reshape}), torch.int64)
+                      (T.unsqueeze, torch.unsqueeze), (T.view, T.reshape, torch.reshape),
+                      torch.int64)
