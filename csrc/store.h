@@ -235,7 +235,7 @@ struct Expression {
   Store* graph;
   i64 id;
   // A node-free view (views.cpp): the interned per-instance shape this handle presents over
-  // node `id` (`x.unsqueeze(0)`, an F.embedding row's [1, n]), or -1 for the node's own shape.
+  // node `id` (`x.unsqueeze(0)`, `x.view(1, -1)`), or -1 for the node's own shape.
   std::int32_t view;
 };
 

@@ -1,25 +1,22 @@
 // Node-free views: a handle that presents another per-instance shape over the same node (the
 // Expression's `view`), for the pure reshapes that per-instance torch code writes around the
-// [1, n] row of a batch of one: `logits.unsqueeze(0)` before a loss,
-// `F.embedding(torch.tensor([w]), E)[0]`, `x.view(1, -1)`. Recorded as reshape (or pick) nodes
-// they were ~3.3k of a torch-native Tree-LSTM minibatch's ~43k nodes, each a C append, a place
-// in a batch and a copy forward and back. A view is consumed without a node of its own where
-// its consumer can read the node as it is:
+// [1, n] row of a batch of one: `logits.unsqueeze(0)` before a loss, `x.view(1, -1)`,
+// `x.reshape(1, n)[0]`. Recorded as reshape nodes, with the loss's target as an index input
+// node, they were ~4.4k of a torch-native Tree-LSTM minibatch's ~43k nodes, each a C append, a
+// place in a batch and a copy forward and back. A view is consumed without a node of its own
+// where its consumer can read the node as it is:
 // - unsqueeze / view / reshape of an expression (a view too): a view of the new shape;
 // - `x[0]` (or `x[-1]`) of a view whose first dim is 1: a view of the rest, the node itself
 //   where that is the node's shape (rules.cpp's `x[i]` asks here first);
 // - F.cross_entropy of a [1, C] view of a [C] node and a one-element target tensor (a class
 //   made by `torch.tensor([label])`): the fb op pick_neg_log_softmax of the node, the class
 //   held as the node's constant (its kernel is F.cross_entropy: the same values and gradients),
-//   instead of a reshape node, an index input node and a loss node;
-// - F.embedding of a one-element index (capture.cpp's lookup_rows): the row's lookup node as
-//   fb.lookup makes it, seen as a view of the index's shape + (columns,).
+//   instead of a reshape node, an index input node and a loss node.
 // Anything else that reads a view's node (Expression.id, an op rule's operand, take_apart, a
 // value request) gets its reshape node, made then by the reshape handler (capture.mappings), as
 // it was made before views; the handle points at it from then on. That node is made with grad
 // enabled, so a view is only made with grad enabled (eagerly a view taken under no_grad
-// carries no gradient: it is recorded as a reshape node, as before) or over a node just made
-// (an embedding row, whose own node carries the grad mode).
+// carries no gradient: it is recorded as a reshape node, as before).
 #include "store.h"
 
 namespace flybatch {

@@ -1,5 +1,5 @@
-"""Node-free views (csrc/views.cpp): `x.unsqueeze(0)`, `x.view(1, -1)`, an F.embedding row's
-[1, n] and `[0]` of such a row are handles presenting another shape over the same node, read
+"""Node-free views (csrc/views.cpp): `x.unsqueeze(0)`, `x.view(1, -1)`, `x.reshape(1, n)` and
+`[0]` of such a row are handles presenting another shape over the same node, read
 without a node where the consumer can (`x[0]` of a [1, n] view, a one-class cross-entropy, a
 view of a view); anything else that reads a view's node gets its reshape node from here."""
 
