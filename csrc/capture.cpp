@@ -242,7 +242,8 @@ struct TakeApart {
     }
     if (PyObject_TypeCheck(x, &ExpressionBase)) {
       Expression* e = reinterpret_cast<Expression*>(x);
-      return slot(e->graph == g ? e->id : operand_node(g, x), from_weight);  // raises if foreign
+      // (a view: its reshape node; another graph's expression raises)
+      return slot(e->graph == g ? expression_node(e) : operand_node(g, x), from_weight);
     }
     if (is_tensor(x)) return slot(tensor_node(x), from_weight);
     const bool is_tuple = PyTuple_CheckExact(x), is_list = PyList_CheckExact(x);
@@ -776,7 +777,7 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
   }
   Expression* e = reinterpret_cast<Expression*>(x);
   Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes_attr)};
-  Owned id{PyLong_FromLongLong(e->id)};
+  Owned id{PyLong_FromLongLong(expression_node(e))};
   PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
   if (!dtype && PyErr_Occurred()) throw PythonError{};
   if (dtype) return nullptr;  // not of the graph's floating dtype, which the fb op computes in
@@ -799,11 +800,11 @@ PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
   Owned kind{PyObject_GetAttr(recipe, s_kind)}, plans{PyObject_GetAttr(recipe, s_plans)};
   if (!PyList_CheckExact(plans.get()))
     return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
-  const Expression* e = reinterpret_cast<Expression*>(x);
+  Expression* e = reinterpret_cast<Expression*>(x);
   PyObject* graph = reinterpret_cast<PyObject*>(e->graph);
   Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
   if (!PyDict_Check(node_dtypes.get())) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
-  Owned id{PyLong_FromLongLong(e->id)};
+  Owned id{PyLong_FromLongLong(expression_node(e))};
   Owned nodes{PyTuple_Pack(1, id.get())};
   const Py_ssize_t n = PyList_GET_SIZE(plans.get());
   Owned pieces{PyList_New(n)};
@@ -910,7 +911,7 @@ struct CallForm {
 PyObject* s_ignore_index = nullptr;     // "ignore_index"
 
 bool class_in_range(Store* g, const Expression* x, PyObject* value, PyObject* kwargs) {
-  PyObject* shape = (*g->shape_tuples)[g->nodes->shape[x->id]];
+  PyObject* shape = (*g->shape_tuples)[expression_shape_id(x)];
   const Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
   if (ndim != 1 && ndim != 2) return true;  // (the handler checks none)
   long long ignore = -100;
@@ -970,9 +971,10 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
         form.add_int(v);
       }
     } else if (PyObject_TypeCheck(x, &ExpressionBase)) {
-      const Expression* e = reinterpret_cast<Expression*>(x);
-      if (length_led(e->graph, e->id)) return nullptr;
-      form.add_node(e->graph == g ? e->id : -1);
+      Expression* e = reinterpret_cast<Expression*>(x);
+      const i64 node = expression_node(e);
+      if (length_led(e->graph, node)) return nullptr;
+      form.add_node(e->graph == g ? node : -1);
     } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
       const auto found = g->parameters->find(x);
       if (found != g->parameters->end()) {
@@ -1287,13 +1289,13 @@ PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs
     if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type) ||
         reinterpret_cast<Expression*>(x)->graph != g)
       return nullptr;
-    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(x)->id)};
+    Owned id{PyLong_FromLongLong(expression_node(reinterpret_cast<Expression*>(x)))};
     const int own_dtype = PyDict_Contains(node_dtypes.get(), id.get());
     if (own_dtype < 0) throw PythonError{};
     if (own_dtype) return nullptr;  // not of the graph's floating dtype
     PyList_SET_ITEM(list.get(), i, Py_NewRef(x));
   }
-  const i64 node = reinterpret_cast<Expression*>(first)->id;
+  const i64 node = expression_node(reinterpret_cast<Expression*>(first));
   const long long ndim = PyTuple_GET_SIZE((*g->shape_tuples)[g->nodes->shape[node]]);
   if (ndim == 0 || d < -ndim || d >= ndim) return nullptr;  // generic / torch's error
   Owned per_instance{PyLong_FromLongLong(((d % ndim) + ndim) % ndim)};
@@ -1328,6 +1330,7 @@ PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a
   PyObject* out_arg = PyDict_GetItemWithError(kwargs.get(), s_out);  // borrowed
   if (!out_arg && PyErr_Occurred()) throw PythonError{};
   const bool written_out = out_arg && out_arg != Py_None;
+  if (PyObject* out = written_out ? nullptr : view_call(func, args, kwargs.get())) return out;
   if (PyObject* out = written_out ? nullptr : fb_unary(func, args, kwargs.get())) return out;
   if (PyObject* out = written_out ? nullptr : parameter_view(func, args, kwargs.get()))
     return out;

@@ -201,7 +201,7 @@ Store* graph_of(PyObject* const* xs, std::size_t n) {
 i64 node_of(Store* g, PyObject* x) {
   if (is_expression(x)) {
     Expression* e = as_expression(x);
-    if (e->graph == g) return e->id;
+    if (e->graph == g) return expression_node(e);
     if (e->graph->closed)
       raise(g_graph_error, "%R belongs to a closed graph; expressions cannot outlive their graph "
                            "(create them in the current graph)", x);
@@ -829,7 +829,7 @@ bool of_other_dtype(PyObject* x) {
   if (!dtypes) throw PythonError{};
   Release dtypes_ref{dtypes};
   if (!PyDict_Check(dtypes) || !PyDict_GET_SIZE(dtypes)) return false;
-  PyObject* id = PyLong_FromLongLong(e->id);
+  PyObject* id = PyLong_FromLongLong(expression_node(e));
   if (!id) throw PythonError{};
   Release id_ref{id};
   const int found = PyDict_Contains(dtypes, id);
@@ -844,7 +844,7 @@ bool beyond_matrices(PyObject* x) {
   std::size_t nd = 0;
   if (is_expression(x)) {
     const Expression* e = as_expression(x);
-    shape_dims(e->graph, e->graph->nodes->shape[e->id], &nd);
+    shape_dims(e->graph, expression_shape_id(e), &nd);
   } else if (PyObject_TypeCheck(x, reinterpret_cast<PyTypeObject*>(g_tensor_type))) {
     PyObject* ndim = PyObject_GetAttrString(x, "ndim");
     if (!ndim) throw PythonError{};
@@ -897,7 +897,8 @@ PyObject* flat_sum_terms(PyObject* a, PyObject* b) {
   Expression* ea = as_expression(a);
   Expression* eb = as_expression(b);
   Store* g = ea->graph;
-  if (eb->graph != g || g->closed || ea->id < g->n_done) return nullptr;  // computed: no gain
+  if (eb->graph != g || g->closed || ea->view >= 0 || ea->id < g->n_done)
+    return nullptr;  // computed: no gain (a view: not the node's own terms)
   Columns& c = *g->nodes;
   std::size_t nd_a, nd_b;
   shape_dims(g, c.shape[ea->id], &nd_a);
@@ -956,6 +957,8 @@ PyObject* getitem_fallback(PyObject* x, PyObject* index) {
 // compute in the graph's dtype: an expression of another (topk's indices) is indexed as the
 // Tensor it stands for, by the fallback.
 PyObject* expr_getitem(PyObject* x, PyObject* index) {
+  if (PyObject* view = view_getitem(x, index)) return view;  // (a view's row: no node)
+  if (PyErr_Occurred()) return nullptr;
   try {
     if (of_other_dtype(x)) return getitem_fallback(x, index);
   } catch (const PythonError&) {
@@ -972,7 +975,7 @@ PyObject* expr_getitem(PyObject* x, PyObject* index) {
     }
     Expression* e = as_expression(x);
     std::size_t nd;
-    const i64* d = shape_dims(e->graph, e->graph->nodes->shape[e->id], &nd);
+    const i64* d = shape_dims(e->graph, expression_shape_id(e), &nd);
     PyObject* start = s->start == Py_None ? PyLong_FromLong(0) : Py_NewRef(s->start);
     PyObject* stop = s->stop == Py_None ? PyLong_FromLongLong(nd ? d[0] : 0) : Py_NewRef(s->stop);
     PyObject* out = nullptr;

@@ -263,6 +263,7 @@ PyObject* new_expression(Store* s, i64 id) {
   if (!e) return nullptr;
   e->graph = reinterpret_cast<Store*>(Py_NewRef(reinterpret_cast<PyObject*>(s)));
   e->id = id;
+  e->view = -1;
   return reinterpret_cast<PyObject*>(e);
 }
 
@@ -702,6 +703,7 @@ PyObject* store_stacked_rows(PyObject* self, PyObject* exprs) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!PyObject_TypeCheck(items[i], &ExpressionBase)) Py_RETURN_NONE;
     const Expression* e = reinterpret_cast<const Expression*>(items[i]);
+    if (e->view >= 0) Py_RETURN_NONE;  // (a view's values are those of a reshape node)
     const i64 v = e->id;
     if (e->graph != s || v >= s->n_done || v >= c.batch.size() || c.batch[v] < 0) Py_RETURN_NONE;
     if (i == 0) {
@@ -874,6 +876,7 @@ PyObject* expression_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!e) return nullptr;
   e->graph = reinterpret_cast<Store*>(Py_NewRef(graph));
   e->id = id;
+  e->view = -1;
   return reinterpret_cast<PyObject*>(e);
 }
 
@@ -884,17 +887,25 @@ void expression_dealloc(PyObject* self) {
 
 PyObject* expression_shape(PyObject* self, void*) {
   const Expression* e = reinterpret_cast<Expression*>(self);
-  return Py_NewRef((*e->graph->shape_tuples)[e->graph->nodes->shape[e->id]]);
+  return Py_NewRef((*e->graph->shape_tuples)[expression_shape_id(e)]);
+}
+
+// A view's node is its reshape node, made here on first read (views.cpp): code that reads `id`
+// reads the node's shape, value and op next.
+PyObject* expression_id(PyObject* self, void*) {
+  Expression* e = reinterpret_cast<Expression*>(self);
+  if (e->view >= 0 && !materialize(e)) return nullptr;
+  return PyLong_FromLongLong(e->id);
 }
 
 PyMemberDef kExpressionMembers[] = {
     {"graph", T_OBJECT_EX, offsetof(Expression, graph), READONLY, "the graph of the node"},
-    {"id", T_LONGLONG, offsetof(Expression, id), READONLY, "the node's id in its graph"},
     {nullptr, 0, 0, 0, nullptr},
 };
 
 PyGetSetDef kExpressionGetSet[] = {
-    {"shape", expression_shape, nullptr, "the node's per-instance shape", nullptr},
+    {"shape", expression_shape, nullptr, "the per-instance shape", nullptr},
+    {"id", expression_id, nullptr, "the node's id in its graph", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -1079,6 +1090,7 @@ PyObject* rebind(PyObject*, PyObject* args) {
     return nullptr;
   }
   t->id = v->id;
+  t->view = v->view;
   Py_RETURN_NONE;
 }
 
@@ -1142,7 +1154,7 @@ PyObject* register_store(PyObject* module) {
                             reinterpret_cast<PyObject*>(&ExpressionBase)) < 0 ||
       PyModule_AddFunctions(module, kModuleMethods) < 0 || !register_rules(module) ||
       !register_fused(module) || !register_capture(module) || !register_dispatch(module) ||
-      !register_lstm(module) || !register_tree_lstm(module)) {
+      !register_lstm(module) || !register_tree_lstm(module) || !register_views(module)) {
     Py_DECREF(module);
     return nullptr;
   }

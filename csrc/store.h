@@ -234,6 +234,9 @@ struct Expression {
   PyObject_HEAD
   Store* graph;
   i64 id;
+  // A node-free view (views.cpp): the interned per-instance shape this handle presents over
+  // node `id` (`x.unsqueeze(0)`, `x.view(1, -1)`), or -1 for the node's own shape.
+  std::int32_t view;
 };
 
 extern PyTypeObject StoreType;
@@ -276,6 +279,18 @@ void mark_length_led(Store* s, i64 sig);
 PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
                  std::int32_t shape, i64 sig, PyObject* attr, bool no_grad, i64 index = 0);
 PyObject* new_expression(Store* s, i64 id);
+// views.cpp: a handle presenting interned shape `shape` over node `id` with no node of its own
+// (a plain handle where `shape` is the node's); a view's reshape node made where something
+// reads its node (false with a Python error set on failure), and the handle's node and shape.
+PyObject* new_view(Store* s, i64 id, std::int32_t shape);
+bool materialize(Expression* e);
+inline i64 expression_node(Expression* e) {  // throws PythonError (a guarded caller)
+  if (e->view >= 0 && !materialize(e)) throw PythonError{};
+  return e->id;
+}
+inline std::int32_t expression_shape_id(const Expression* e) {
+  return e->view >= 0 ? e->view : e->graph->nodes->shape[e->id];
+}
 void check_open(const Store* s);
 
 // The Expression operators (+ - * / @, unary -, x[i], x[a:b]), defined with the rules.
@@ -289,5 +304,11 @@ bool register_capture(PyObject* module);
 bool register_dispatch(PyObject* module);
 bool register_lstm(PyObject* module);
 bool register_tree_lstm(PyObject* module);
+bool register_views(PyObject* module);
+// views.cpp: a call that makes or reads a node-free view (unsqueeze / view / reshape of an
+// expression, a one-element cross-entropy of a view), or NULL (no error) for any other call.
+PyObject* view_call(PyObject* func, PyObject* args, PyObject* kwargs);
+// views.cpp: `x[0]` of a view whose first dim is 1, a view of the rest; NULL (no error) else.
+PyObject* view_getitem(PyObject* x, PyObject* index);
 
 }  // namespace flybatch

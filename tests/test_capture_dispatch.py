@@ -130,7 +130,7 @@ def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
     with fb.Graph() as g:
         x = fb.input(x0)
         calls = [(lambda: F.linear(x, W, b), 1), (lambda: F.linear(x, W), 1),
-                 (lambda: x.unsqueeze(0), 1), (lambda: x.chunk(2), 2),
+                 (lambda: x.unsqueeze(0), 0), (lambda: x.chunk(2), 2),  # (a view: no node)
                  (lambda: F.linear(x, frozen), 3)]
         for call, nodes in calls:
             call()  # the first sight makes the plan (and W's, b's parameter nodes)

@@ -1458,8 +1458,9 @@ def test_one_element_integer_tensors_are_read_at_the_call():
         total = torch.stack(losses(lambda buffer: buffer)).sum()
         assert total.item() == pytest.approx(eager.item(), abs=ATOL, rel=0)
         total.backward()
-        # embedding, [0], weights[i], *, unsqueeze, cross_entropy, stack, sum: each one launch
-        assert g.stats().batches == 8
+        # embedding, [0], weights[i], *, cross_entropy, stack, sum: each one launch (the
+        # unsqueeze is a view, the label a constant of the loss node)
+        assert g.stats().batches == 7
     torch.testing.assert_close((weights.grad, table.grad), want, rtol=0, atol=ATOL)
 
 

@@ -44,11 +44,12 @@ The stages, one module each (in the order they build on each other):
 - `mappings`: the fast mappings onto flybatch ops, and row-wise calls across lengths;
 - `losses`, `recurrent`: losses reduced per instance; RNN cells and layers;
 - `dispatch`: the table from torch functions to handlers, and the C front end's configuration;
-- `tensor_like`: the Tensor methods and properties of expressions, torch.autograd of them.
+- `tensor_like`: the Tensor methods and properties of expressions, torch.autograd of them;
+- `views`: node-free views (`x.unsqueeze(0)`, an embedding row's [1, n]), their reshape nodes.
 """
 
 # (importing `tensor_like` imports every stage: the table is filled, Expression's methods set)
-from . import tensor_like  # noqa: F401
+from . import tensor_like, views  # noqa: F401
 # what the rest of flybatch uses (and tests reach into)
 from .calls import _key, torch_call  # noqa: F401
 from .dispatch import _FB_UNARY, _HANDLERS, _PLANNED  # noqa: F401
