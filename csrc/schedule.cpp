@@ -1194,8 +1194,12 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 // it starts (a list schedule that loses by a few launches may climb lower). Over the 162 graphs
 // of scripts/auto_launches.py 9,905 -> 9,863 launches (mixed-op-tree x20 seed 0 57 -> 55, x40
 // 58 -> 52; spinn x40 seed 2 109 -> 104; random-dag x40 45 -> 42), none higher (a candidate
-// replaces the best only when it launches fewer); scheduling 0.155 -> 0.218 us/node over them
-// (the climbs run only where no schedule met the bound). On small graphs (2-4 instances, seeds
+// replaces the best only when it launches fewer). Cost, where the climbs run (no schedule met
+// the bound on a small forward): it about doubles, bench quality's 20 instances random-dag 0.52
+// -> 1.18 us/node, spinn 0.30 -> 0.67, calculator 0.39 -> 0.71, mixed-op-tree 0.35 -> 0.68
+// (over all 162 graphs 0.13-0.15 -> 0.16-0.22); with a budget of 1 or 2 per node and edge per
+// hold climb instead of kClimbStart, 9,881 or 9,873 launches, random-dag 0.88 or 1.00 us/node.
+// On small graphs (2-4 instances, seeds
 // 0-2) against the exact optimum: random-dag 202 -> 200 (the optimum, 200), spinn 606 -> 596
 // (596), child-sum-treelstm 588 -> 587 (587), mixed-op-tree 237 -> 230 (224). Tried: both
 // kinds of flips in the first climb, sharing its budget: 9,914, 10 graphs higher; one hold
