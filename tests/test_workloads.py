@@ -135,3 +135,14 @@ def test_climbs_that_hold_a_signature_back_lower_the_launches(name, size, seed):
                                 workloads.instances(fam, size, seed)))
         g.forward()
         assert g.stats().batches == HELD_BACK[name, size, seed]
+
+
+def test_the_tight_bound_of_a_child_sum_tree_lstm_is_its_optimum():
+    """bench quality's child-sum Tree-LSTM graph (20 instances, seed 0; 13.5k nodes): auto's 77
+    launches are the optimum (flybatch.bench.optimum's A*, 33 s), and the tight bound's block
+    searches, given 2^24 node and edge visits per forward, prove it (2^23: 76)."""
+    fam = workloads.family("child-sum-treelstm")
+    with fb.Graph(strategy="auto") as g:
+        fb.esum(workloads.build(fb, fam, workloads.make_params(),
+                                workloads.instances(fam, 20, 0))).backward()
+        assert g.stats().batches == g.stats().tight_bound == 77
