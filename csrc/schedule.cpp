@@ -968,6 +968,7 @@ struct Steering {
   bool hold = false;
   std::vector<Local> choices;
   std::unordered_map<std::uint64_t, i64> trail;
+  std::vector<std::pair<std::uint64_t, i64>> passed;  // finish's, kept to reuse its memory
 };
 
 // Runs `run` to its end (or its limit, as list_schedule's), as `steer` says; a complete run
@@ -975,7 +976,9 @@ struct Steering {
 // `choices` (without `steer`, which has its own): gets Steering's `choices` of the run.
 Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr,
             std::vector<Local>* choices = nullptr) {
-  std::vector<std::pair<std::uint64_t, i64>> passed;  // fingerprint, launches so far
+  std::vector<std::pair<std::uint64_t, i64>> unsteered;
+  auto& passed = steer ? steer->passed : unsteered;  // fingerprint, launches so far
+  passed.clear();
   if (steer) choices = &steer->choices;
   std::size_t next_flip = 0;
   if (steer)
@@ -1150,13 +1153,16 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
     Plan tried = finish(trial, plan.launches, &steer);
     work += nodes.n + static_cast<i64>(tried.order.size() - at.plan.order.size());
     if (tried.launches < plan.launches) {
-      plan = std::move(tried);
-      choices = std::move(steer.choices);
+      std::swap(plan, tried);
+      std::swap(choices, steer.choices);
       split = split_choices(plan, choices, groups, sigs);
       budget += kClimbGain * size;
     } else {
       steer.flips.pop_back();
     }
+    // The plan left over goes back to `trial`: the next `trial = at` copies into its vectors
+    // instead of allocating them and regrowing them as the run goes.
+    trial.plan = std::move(tried);
   }
   return plan;
 }
