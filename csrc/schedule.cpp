@@ -805,9 +805,13 @@ class ListRun {
   }
 
   // The signature `priority` ranks first (with `second`, second when there is one), or -1
-  // when no node is ready. Counts a choice.
-  std::int32_t by_priority(bool second) {
-    if (scan_) return by_scan(second);
+  // when no node is ready. Counts a choice. With `second` and `hold`, the best is also held
+  // back at later picks (the second best runs instead) until a node of it becomes ready or it
+  // runs (all its nodes ready, or nothing else ready): a climb's flip that waits for the node
+  // that would have joined the launch (see climb).
+  std::int32_t by_priority(bool second, bool hold = false) {
+    if (!holding()) held_ = -1;
+    if (scan_) return by_scan(second, hold);
     for (std::int32_t t : dirty_) {
       is_dirty_[t] = 0;
       if (filled_[t] > taken_[t]) by_key_.emplace(key_[t], -t);
@@ -815,13 +819,20 @@ class ListRun {
     dirty_.clear();
     std::int32_t s = pop_valid();
     if (s < 0) return s;
-    if (second)
+    if (second || s == held_)
       if (const std::int32_t other = pop_valid(); other >= 0) {
         by_key_.emplace(key_[s], -s);  // the best waits for a later pick
+        if (second && hold) hold_back(s);
         s = other;
       }
     ++choices;
     return s;
+  }
+
+  // Whether a signature is held back (by_priority's `hold`): no node of it became ready since,
+  // and it has not run.
+  bool holding() const {
+    return held_ >= 0 && filled_[held_] == held_filled_ && filled_[held_] > taken_[held_];
   }
 
   // Runs every ready node of s as one batch; returns the launches still needed at least
@@ -875,7 +886,7 @@ class ListRun {
   // by_priority over few signatures: `dirty_` lists every signature that may have ready nodes
   // (make_ready adds it, this drops it once it has none), scanned for the two best keys (ties:
   // the lower signature, as the heap's order).
-  std::int32_t by_scan(bool second) {
+  std::int32_t by_scan(bool second, bool hold) {
     std::int32_t best = -1, next = -1;
     auto ahead = [&](std::int32_t a, std::int32_t b) {
       return b < 0 || key_[a] > key_[b] || (key_[a] == key_[b] && a < b);
@@ -898,7 +909,14 @@ class ListRun {
     }
     if (best < 0) return best;
     ++choices;
-    return second && next >= 0 ? next : best;
+    if (next < 0 || !(second || best == held_)) return best;
+    if (second && hold) hold_back(best);
+    return next;
+  }
+
+  void hold_back(std::int32_t s) {
+    held_ = s;
+    held_filled_ = filled_[s];
   }
 
   std::int32_t pop_valid() {
@@ -933,6 +951,8 @@ class ListRun {
   std::vector<std::uint8_t> is_dirty_;  // bytes: a vector<bool>'s bit arithmetic costs more
   std::priority_queue<std::pair<double, std::int32_t>> by_key_;  // (key, -signature)
   LaunchesLeft launches_left_;
+  std::int32_t held_ = -1;  // the signature held back, if any, and its ready count then
+  i64 held_filled_ = 0;
 };
 
 // What `climb` steers and reads of a run (forward runs only). `flips` (ascending): choices
@@ -945,8 +965,10 @@ class ListRun {
 // once that cannot beat the limit.
 struct Steering {
   std::vector<i64> flips;
+  bool hold = false;
   std::vector<Local> choices;
   std::unordered_map<std::uint64_t, i64> trail;
+  std::vector<std::pair<std::uint64_t, i64>> passed;  // finish's, kept to reuse its memory
 };
 
 // Runs `run` to its end (or its limit, as list_schedule's), as `steer` says; a complete run
@@ -954,7 +976,9 @@ struct Steering {
 // `choices` (without `steer`, which has its own): gets Steering's `choices` of the run.
 Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr,
             std::vector<Local>* choices = nullptr) {
-  std::vector<std::pair<std::uint64_t, i64>> passed;  // fingerprint, launches so far
+  std::vector<std::pair<std::uint64_t, i64>> unsteered;
+  auto& passed = steer ? steer->passed : unsteered;  // fingerprint, launches so far
+  passed.clear();
   if (steer) choices = &steer->choices;
   std::size_t next_flip = 0;
   if (steer)
@@ -964,9 +988,10 @@ Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr,
     if (s < 0) {
       const bool flip = steer && next_flip < steer->flips.size() &&
                         steer->flips[next_flip] == run.choices;
+      const bool hold = flip && steer->hold;
       next_flip += flip;
       if (choices) choices->push_back(static_cast<Local>(run.plan.ends.size()));
-      s = run.by_priority(flip);
+      s = run.by_priority(flip, hold);
       if (s < 0) {
         if (choices) choices->pop_back();
         break;  // nothing ready: all nodes run
@@ -976,7 +1001,7 @@ Plan finish(ListRun& run, i64 limit, Steering* steer = nullptr,
       run.plan.launches = limit;
       return std::move(run.plan);
     }
-    if (steer && next_flip == steer->flips.size()) {
+    if (steer && next_flip == steer->flips.size() && !run.holding()) {
       const auto met = steer->trail.find(run.fingerprint);
       if (met != steer->trail.end() && run.plan.launches + met->second >= limit) {
         run.plan.launches = limit;  // as over the limit
@@ -1029,6 +1054,15 @@ Plan list_schedule(const Nodes& nodes, const Groups& groups, const Edges& edges,
 // goes on. Over random-dag, spinn, mixed-op-tree, skip-chain and the three newest families at
 // 8, 20 and 40 instances, seeds 0-2: 3,326 launches without the climb, 3,250 with it (a fixed
 // budget of 3 / 6 / 8 / 10 per node and edge: 3,292 / 3,275 / 3,253 / 3,245).
+// `hold`: each flip instead holds the signature back until a node of it becomes ready
+// (ListRun::by_priority), where a second-best flip takes the signature one pick later: on a
+// child-sum Tree-LSTM cell, the critical path runs the forget gate's f * c as soon as f is
+// ready and the input gate's i * u one launch later, after tanh(u); one flip that runs
+// something else first does not help (the next pick takes the product again), holding the
+// product until i * u is ready does (33 -> 32 launches, the optimum). The two kinds of flips
+// gain on different graphs and share a budget badly (each spends it on choices where the
+// other would have gained), so `fewest_launches` runs them as separate climbs.
+//
 // Forwards of more than kClimbSize nodes and edges skip the climb: its work grows with the
 // forward and the launches it saves do not (random-dag at 200 instances, 4.6k nodes: 51 -> 50
 // launches for about +1.3 us/node of scheduling; at 2,000, 47k nodes: 65 -> 59 for +2.3).
@@ -1078,10 +1112,12 @@ std::unordered_map<std::uint64_t, i64> trail_of(const Plan& plan, const Signatur
 // caller has them; otherwise the climb runs it first.
 Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const Signatures& sigs,
            const std::vector<OpFlags>& flags, const std::vector<std::int32_t>& height,
-           Priority priority, const Plan* start, const std::vector<Local>& start_choices) {
+           Priority priority, const Plan* start, const std::vector<Local>& start_choices,
+           bool hold = false) {
   const i64 size = static_cast<i64>(nodes.n) + static_cast<i64>(edges.consumers.size());
   i64 budget = kClimbStart * size, work = 0;
   Steering steer;
+  steer.hold = hold;
   ListRun at(nodes, groups, edges, sigs, flags, height, priority, false);  // follows `plan`
   at.fingerprinted = true;
   ListRun trial = at;  // a flipped run; assigned from `at`, reusing its memory
@@ -1106,7 +1142,8 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
       if (s < 0) {
         if (at.choices == after) break;
         while (f < steer.flips.size() && steer.flips[f] < at.choices) ++f;
-        s = at.by_priority(f < steer.flips.size() && steer.flips[f] == at.choices);
+        const bool flip = f < steer.flips.size() && steer.flips[f] == at.choices;
+        s = at.by_priority(flip, flip && steer.hold);
       }
       at.launch(s);
     }
@@ -1116,13 +1153,16 @@ Plan climb(const Nodes& nodes, const Groups& groups, const Edges& edges, const S
     Plan tried = finish(trial, plan.launches, &steer);
     work += nodes.n + static_cast<i64>(tried.order.size() - at.plan.order.size());
     if (tried.launches < plan.launches) {
-      plan = std::move(tried);
-      choices = std::move(steer.choices);
+      std::swap(plan, tried);
+      std::swap(choices, steer.choices);
       split = split_choices(plan, choices, groups, sigs);
       budget += kClimbGain * size;
     } else {
       steer.flips.pop_back();
     }
+    // The plan left over goes back to `trial`: the next `trial = at` copies into its vectors
+    // instead of allocating them and regrowing them as the run goes.
+    trial.plan = std::move(tried);
   }
   return plan;
 }
@@ -1154,7 +1194,22 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 // 0-3) the ranked agenda with DyNet's fallback (merging or not) and with the critical-path
 // fallback without merging never launched fewer than all of these, so `auto` no longer tries
 // them (the agenda's own schedule stays, for the guarantee). Last, on small forwards, the climb
-// over the winning list schedule's choices that split a group (skip-chain 64 -> 58, the bound).
+// over the winning list schedule's choices that split a group (skip-chain 64 -> 58, the bound),
+// then, if still above the bound, climbs whose flips hold a signature back (see climb) from
+// each forward list schedule in turn, the winner first: the climb's result depends on where
+// it starts (a list schedule that loses by a few launches may climb lower). Over the 162 graphs
+// of scripts/auto_launches.py 9,905 -> 9,863 launches (mixed-op-tree x20 seed 0 57 -> 55, x40
+// 58 -> 52; spinn x40 seed 2 109 -> 104; random-dag x40 45 -> 42), none higher (a candidate
+// replaces the best only when it launches fewer). Cost, where the climbs run (no schedule met
+// the bound on a small forward): it about doubles, bench quality's 20 instances random-dag 0.52
+// -> 1.18 us/node, spinn 0.30 -> 0.67, calculator 0.39 -> 0.71, mixed-op-tree 0.35 -> 0.68
+// (over all 162 graphs 0.13-0.15 -> 0.16-0.22); with a budget of 1 or 2 per node and edge per
+// hold climb instead of kClimbStart, 9,881 or 9,873 launches, random-dag 0.88 or 1.00 us/node.
+// On small graphs (2-4 instances, seeds
+// 0-2) against the exact optimum: random-dag 202 -> 200 (the optimum, 200), spinn 606 -> 596
+// (596), child-sum-treelstm 588 -> 587 (587), mixed-op-tree 237 -> 230 (224). Tried: both
+// kinds of flips in the first climb, sharing its budget: 9,914, 10 graphs higher; one hold
+// climb, from the winner only: 9,888.
 //
 // The backward schedule by squared heights lines up the ends of many long paths at once. It
 // finds what a forward list schedule misses where an early node of one signature feeds a node
@@ -1220,6 +1275,21 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
         if (size > kClimbSize) return Plan{{}, {}, INT64_MAX};  // small forwards only
         return climb(nodes, groups, edges, sigs, flags, height, best_list,
                      best_is_list ? &best : nullptr, list_choices);
+      },
+      [&] {
+        const i64 size = nodes.n + static_cast<i64>(edges.consumers.size());
+        if (size > kClimbSize) return Plan{{}, {}, INT64_MAX};
+        Plan out{{}, {}, INT64_MAX};
+        const Priority starts[] = {best_list, Priority::highest, Priority::squares,
+                                   Priority::highest_sum};
+        for (std::size_t i = 0; i < std::size(starts); ++i) {
+          const Priority p = starts[i];
+          if (i > 0 && p == best_list) continue;  // climbed first
+          Plan plan = climb(nodes, groups, edges, sigs, flags, height, p, nullptr, {}, true);
+          if (plan.launches < out.launches) out = std::move(plan);
+          if (out.launches == groups.bound) break;
+        }
+        return out;
       },
   };
   best = ranked_agenda(nodes, groups, edges, sigs, flags, &height, true);
@@ -1462,11 +1532,14 @@ std::vector<std::pair<std::int32_t, std::int32_t>> interleaving_candidates(
 // before and after them), then per move the nodes and edges it touches; every block stops at
 // its share of a work budget (kSearchWork and per node), so the bound stays cheap on large
 // graphs, and every pair keeps at least the pair bound.
-constexpr i64 kSearchWork = i64{1} << 23;  // node and edge visits per forward, at least,
+constexpr i64 kSearchWork = i64{1} << 24;  // node and edge visits per forward, at least,
 constexpr i64 kSmallWorkPerEdge = 4096;    // ... unless the forward is smaller than this allows
 constexpr i64 kSearchWorkPerEdge = 8;      // ... or this many per node and edge
-// (The floor makes a 1.5k-node SPINN forward's bound tight; capped per node and edge, a model
-// of a hundred 75-node forwards does not pay 2^23 visits a hundred times per stats().)
+// (The floor makes a 1.5k-node SPINN forward's bound tight, and 2^24 rather than 2^23 visits
+// bench quality's 13.5k-node child-sum Tree-LSTM forward's: 76 -> 77, the A* optimum, found in
+// 33 s; stats()' tight bounds of bench quality's 18 graphs 87 -> 115 ms in all, spinn 16 -> 30.
+// Capped per node and edge, a model of a hundred 75-node forwards does not pay 2^24 visits a
+// hundred times per stats().)
 constexpr i64 kBuildPasses = 6;            // what building a block's problem costs, in passes
 constexpr i64 kMaxSearchDepth = 4096;      // launches deep, at most
 constexpr std::size_t kPackStarts = 64;    // greedy packings tried

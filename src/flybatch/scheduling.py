@@ -20,7 +20,9 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   squared heights of the ready nodes, picks), the critical-path one also built backwards from
   the end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin; last,
   on small forwards, a climb: the winning list schedule re-run with one more of its choices
-  that split a group flipped to the second-best signature, kept when it launches less. Never
+  that split a group flipped to the second-best signature, kept when it launches less; then
+  such climbs from each list schedule whose flips hold the signature back until a node of it
+  becomes ready. Never
   worse than `depth` or `agenda`; a candidate whose launches and a lower bound on those it
   still needs reach the best so far stops early.
 

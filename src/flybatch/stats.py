@@ -17,7 +17,7 @@ the block must have beyond the signatures' own counts: a pair bound from counts 
 and a budgeted exact search of each block's fewest launches with the other signatures made free
 (proofs in csrc/schedule.cpp, beside `tight_bound_of`). Only signatures of one strongly
 connected component of the signature graph are tried, within a work budget per forward (at
-most 2^23 visits, and 4096 per node and edge: milliseconds on small graphs, about 1 us per
+most 2^24 visits, and 4096 per node and edge: milliseconds on small graphs, about 1 us per
 node on 100k-node ones), so it is computed only when asked for. Where `launches ==
 tight_bound` the schedule is optimal; `launches_over_tight` is the ratio that means something
 when signatures interleave.
