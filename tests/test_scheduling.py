@@ -212,22 +212,29 @@ def test_auto_against_the_exact_optimum_on_random_graphs(steps):
     ("random-dag", (2, 3, 4, 6), 273), ("spinn", (2, 3, 4), 595), ("calculator", (2, 3, 4, 6), 263),
     ("child-sum-treelstm", (2, 3), 356), ("hierarchical-rnn", (2, 3, 4, 6), 1287)])
 def test_tight_bound_against_the_exact_optimum_on_small_workloads(name, sizes, at_least):
+    total = {"pairs": 0, "tight": 0, "optimum": 0}
+    for _, _, g in _small_workload_graphs(name, sizes):
+        pairs, tight = _tight_bounds(g)
+        best = optimum.graph_optimum(g, 3_000_000)
+        assert g.stats().lower_bound <= pairs <= tight <= best
+        total["pairs"] += pairs
+        total["tight"] += tight
+        total["optimum"] += best
+    assert total["tight"] >= at_least, total
+
+
+def _small_workload_graphs(name: str, sizes):
+    """Each (instances, seed 0-2) of a literature family, built and run forward in an `auto`
+    graph: (instances, seed, graph), the graph still open."""
     from flybatch.bench import workloads
     fam = workloads.family(name)
-    total = {"pairs": 0, "tight": 0, "optimum": 0}
     for k in sizes:
         for seed in range(3):
             with fb.Graph(strategy="auto") as g:
                 fb.esum(workloads.build(fb, fam, workloads.make_params(),
                                         workloads.instances(fam, k, seed)))
                 g.forward()
-                pairs, tight = _tight_bounds(g)
-                best = optimum.graph_optimum(g, 3_000_000)
-                assert g.stats().lower_bound <= pairs <= tight <= best
-                total["pairs"] += pairs
-                total["tight"] += tight
-                total["optimum"] += best
-    assert total["tight"] >= at_least, total
+                yield k, seed, g
 
 
 # Per family: the exact optimum of 2 and 3 instances, seeds 0-2 (forward only), found by
@@ -239,20 +246,13 @@ def test_tight_bound_against_the_exact_optimum_on_small_workloads(name, sizes, a
                                            ("calculator", 1.01), ("mixed-op-tree", 1.06),
                                            ("message-passing", 1.005)])
 def test_auto_is_close_to_the_exact_optimum_on_small_workloads(name, ceiling):
-    from flybatch.bench import workloads
-    fam = workloads.family(name)
     total = {"auto": 0, "optimum": 0}
-    for k in (2, 3):
-        for seed in range(3):
-            params = workloads.make_params()
-            with fb.Graph(strategy="auto") as g:
-                fb.esum(workloads.build(fb, fam, params, workloads.instances(fam, k, seed)))
-                g.forward()
-                stats = g.stats()
-                best = optimum.graph_optimum(g)
-                assert stats.lower_bound <= stats.tight_bound <= best <= stats.batches
-                total["auto"] += stats.batches
-                total["optimum"] += best
+    for _, _, g in _small_workload_graphs(name, (2, 3)):
+        stats = g.stats()
+        best = optimum.graph_optimum(g)
+        assert stats.lower_bound <= stats.tight_bound <= best <= stats.batches
+        total["auto"] += stats.batches
+        total["optimum"] += best
     assert total["auto"] <= ceiling * total["optimum"], total
 
 
@@ -263,15 +263,8 @@ def test_auto_is_close_to_the_exact_optimum_on_small_workloads(name, ceiling):
 @pytest.mark.parametrize("name, sizes", [("random-dag", (2, 3, 4)), ("spinn", (2, 3, 4)),
                                          ("child-sum-treelstm", (2,))])
 def test_auto_meets_the_exact_optimum_on_small_workloads(name, sizes):
-    from flybatch.bench import workloads
-    fam = workloads.family(name)
-    for k in sizes:
-        for seed in range(3):
-            with fb.Graph(strategy="auto") as g:
-                fb.esum(workloads.build(fb, fam, workloads.make_params(),
-                                        workloads.instances(fam, k, seed)))
-                g.forward()
-                assert g.stats().batches == optimum.graph_optimum(g), (k, seed)
+    for k, seed, g in _small_workload_graphs(name, sizes):
+        assert g.stats().batches == optimum.graph_optimum(g), (k, seed)
 
 
 def test_tight_bound_counts_two_signatures_met_in_both_orders():
