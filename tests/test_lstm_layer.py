@@ -72,6 +72,27 @@ def test_stepwise_equals_onednn_in_values_and_gradients(dtype, tol):
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "default"])
+def test_stepwise_in_float32_is_the_same_on_either_gemm_path(gemm):
+    # Its products go through kernels.product / weight_gradient: forced onto each path (the
+    # rows here are tiny; "auto" would keep them on the default one), the same h and gradients
+    # as oneDNN's RNN primitive.
+    lengths = np.array([7, 1, 3, 7, 2, 5, 4])
+    before = kernels.get_gemm()
+    kernels.set_gemm(gemm)
+    try:
+        results = []
+        for path in ("onednn", "stepwise"):
+            x, w_ih, w_hh, bias = padded_batch(lengths, torch.float32)
+            h = run(path, x, w_ih, w_hh, bias, lengths)
+            dh = torch.randn(h.shape, generator=torch.Generator().manual_seed(1))
+            results.append([h, *torch.autograd.grad(h, (x, w_ih, w_hh, bias), dh)])
+    finally:
+        kernels.set_gemm(before)
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_stepwise_leaves_zeros_past_each_sequence_end():
     lengths = np.array([4, 2])
     h = run("stepwise", *padded_batch(lengths), lengths)
