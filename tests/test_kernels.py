@@ -206,6 +206,16 @@ def test_a_weight_of_any_layout_multiplies_at_gemm_speed(gemm, layout):
     assert time.perf_counter() - start < 0.1
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")
+def test_auto_takes_no_onednn_where_the_user_turned_it_off(gemm, monkeypatch):
+    gemm("auto")
+    monkeypatch.setattr(kernels, "_onednn_speedup", 2.3)
+    before = dict(kernels.gemm_counts)
+    with torch.backends.mkldnn.flags(enabled=False):
+        kernels.product(torch.randn(64, 256), torch.randn(256, 256))
+    assert kernels.gemm_counts["default"] == before["default"] + 1
+
+
 def test_a_double_backward_through_a_fast_product_is_exact(gemm):
     gemm("onednn")
     w, b = weights(6, 4)

@@ -20,8 +20,9 @@ its transpose for dX) are packed into oneDNN's blocked layout once per parameter
 dense 0.96-0.97 in training, 0.957 in evaluation; the parser level).
 
 `set_gemm("default" | "auto" | "onednn")` (or the environment variable FLYBATCH_GEMM) picks
-the mode: "auto" (the default) is the rule above, "onednn" takes oneDNN for every float32 CPU
-product (tests), "default" never. `gemm_counts` counts products per path, so a benchmark can
+the mode: "auto" (the default) is the rule above, and respects `torch.backends.mkldnn.enabled`
+(a user who turned oneDNN off gets none); "onednn" takes oneDNN for every float32 CPU product
+(tests), "default" never. `gemm_counts` counts products per path, so a benchmark can
 say which one ran.
 
 `flops` counts the model FLOPs of the matrix products (these, the fused cells' other products,
@@ -280,7 +281,7 @@ def _takes_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
             or w.dtype != torch.float32 or x.dim() != 2 or w.dim() != 2 or 0 in w.shape:
         return False
     return mode == "onednn" or x.shape[0] * w.numel() >= ONEDNN_MIN_MACS \
-        and onednn_speedup() >= ONEDNN_FASTER
+        and torch._C._get_mkldnn_enabled() and onednn_speedup() >= ONEDNN_FASTER
 
 
 def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
