@@ -276,6 +276,7 @@ def _onednn_bucketed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 
 def _takes_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `x @ w.T` runs on oneDNN: the mode's rule (module docstring)."""
     mode = _gemm.choice
     if mode == "default" or x.dtype != torch.float32 or x.device.type != "cpu" \
             or w.dtype != torch.float32 or x.dim() != 2 or w.dim() != 2 or 0 in w.shape:
@@ -314,9 +315,9 @@ def weight_gradient(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Linear(torch.autograd.Function):
-    """`x @ w.T + b` with the forward, dX = dY W and dW = dY^T X through `product`. Under a
-    double backward (grad mode on in backward) its products are torch's, which autograd can
-    differentiate again."""
+    """`x @ w.T + b` with the forward and dX = dY W through oneDNN (`product`), dW = dY^T X
+    through `weight_gradient`. Under a double backward (grad mode on in backward) its
+    products are torch's, which autograd can differentiate again."""
 
     @staticmethod
     def forward(ctx, x, w, b):
