@@ -179,6 +179,18 @@ def test_rows_allocated_for_a_product_are_multiplied_without_a_padded_copy(gemm,
     assert copies == []
 
 
+def test_rows_read_past_an_operand_never_reach_its_result(gemm):
+    # A row slice of a larger tensor is multiplied in its bucket's rows, reading the storage's
+    # next rows as they are: NaN there, and in the addend's, must not show in the result.
+    gemm("onednn")
+    big, add_big = torch.full((40, 8), float("nan")), torch.full((40, 5), float("nan"))
+    big[:17], add_big[:17] = torch.randn(17, 8), torch.randn(17, 5)
+    x, add, w = big[:17], add_big[:17], torch.randn(5, 8)
+    y = kernels.product(x, w, add=add)
+    assert y.shape == (17, 5) and not y.isnan().any()
+    torch.testing.assert_close(y, x @ w.T + add)
+
+
 @pytest.mark.parametrize(("speedup", "rows", "path"), [
     (2.3, 16, "onednn"),    # 16 x 256 x 256 = 2^20 multiply-adds: big enough
     (2.3, 15, "default"),   # one row fewer: oneDNN's fixed cost per call would not pay
