@@ -167,6 +167,18 @@ inline void gates_backward(const T* __restrict i, const T* __restrict o, const T
   }
 }
 
+// Node r's gates: `gates_backward` on its rows of iou [rows, 3H], tanh_c [rows, H], grad
+// [rows, 2H] (dh, dc_out) and d_iou [rows, 3H]; dc [H] is its dc.
+template <typename T>
+inline void node_gates_backward(const T* iou, const T* tanh_c, const T* grad, T* d_iou, T* dc,
+                                T* db_iou, std::int64_t r, std::int64_t H) {
+  const T* i = iou + r * 3 * H;
+  const T* dh = grad + r * 2 * H;
+  T* di = d_iou + r * 3 * H;
+  gates_backward(i, i + H, i + 2 * H, tanh_c + r * H, dh, dh + H, dc, di, di + H, di + 2 * H,
+                 db_iou, H);
+}
+
 // One child's: d f pre-activation = dc * c_child * f(1 - f), added to `df_sum` too; the
 // child's dc_child = dc * f.
 template <typename T>
@@ -209,11 +221,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) voi
   std::fill(db_iou, db_iou + 3 * H, T(0));
   std::fill(db_f, db_f + H, T(0));
   for (std::int64_t r = 0; r < rows; ++r) {
-    const T* i = iou + r * 3 * H;
-    const T* dh = grad + r * 2 * H;
-    T* di = d_iou + r * 3 * H;
-    gates_backward(i, i + H, i + 2 * H, tanh_c + r * H, dh, dh + H, dc, di, di + H, di + 2 * H,
-                   db_iou, H);
+    node_gates_backward(iou, tanh_c, grad, d_iou, dc, db_iou, r, H);
     for (std::int64_t k = 0; k < n; ++k) {
       const std::int64_t at = (k * rows + r) * H;
       forget_backward(f + at, children[k].c + r * children[k].c_stride, dc, d_f + at,
@@ -252,12 +260,8 @@ child_sum_backward(const T* iou, const T* f, const T* tanh_c, const T* grad, T* 
   std::fill(db_iou, db_iou + 3 * H, T(0));
   std::fill(db_f, db_f + H, T(0));
   for (std::int64_t r = 0; r < rows; ++r) {
-    const T* i = iou + r * 3 * H;
-    const T* dh = grad + r * 2 * H;
-    T* di = d_iou + r * 3 * H;
+    node_gates_backward(iou, tanh_c, grad, d_iou, dc, db_iou, r, H);
     T* dfx = d_fx + r * H;
-    gates_backward(i, i + H, i + 2 * H, tanh_c + r * H, dh, dh + H, dc, di, di + H, di + 2 * H,
-                   db_iou, H);
     std::fill(dfx, dfx + H, T(0));
     for (std::int64_t m = offsets[r]; m < offsets[r + 1]; ++m) {
       forget_backward(f + m * H, children.c + m * children.c_stride, dc, d_f + m * H,
