@@ -773,9 +773,7 @@ class Graph(_core.Store):
         tensor: a view of it when they are its rows first, first + 1, ... in order, else one
         index_select of the rows numbered in `rows`."""
         with _no_capture(), torch.enable_grad():
-            source = self.values[batch]
-            if source is None:
-                source = self.result(batch)
+            source = self.result(batch)
             if batch in self.padded:  # rows as long as the longest node's: the nodes' length
                 source = source.narrow(1, 0, exprs[0].shape[0])
             if rows is None:
