@@ -38,10 +38,9 @@ on MKL, oneDNN's RNN primitive trained the bilstm tasks 20-30% faster; with them
 ratios stepwise/oneDNN, one process alternating per minibatch, core 1, 05:05 UTC: bilstm
 0.921 and 0.933, bilstm-char 0.942; all-equal bilstm-synthetic 1.101), while in evaluation,
 with no backward to share the per-step cost of the stepwise forward, oneDNN still won (bilstm
-eval 1.168). Stepwise needs a
-CPU tensor of float32 or float64 (its backward's elementwise pass is the core's); elsewhere even
-a forced "stepwise" runs oneDNN/cuDNN. `lstm_counts` counts the launches per path, so a
-benchmark can say which ran.
+eval 1.168). Stepwise needs a CPU tensor of float32 or float64 (its backward's elementwise
+pass is the core's); elsewhere even a forced "stepwise" runs oneDNN/cuDNN. `lstm_counts` counts
+the launches per path, so a benchmark can say which ran.
 """
 
 from __future__ import annotations

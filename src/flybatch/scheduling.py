@@ -22,9 +22,8 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   on small forwards, a climb: the winning list schedule re-run with one more of its choices
   that split a group flipped to the second-best signature, kept when it launches less; then
   such climbs from each list schedule whose flips hold the signature back until a node of it
-  becomes ready. Never
-  worse than `depth` or `agenda`; a candidate whose launches and a lower bound on those it
-  still needs reach the best so far stops early.
+  becomes ready. Never worse than `depth` or `agenda`; a candidate whose launches and a lower
+  bound on those it still needs reach the best so far stops early.
 
 Scheduling also fixes where each node's value will live (the store's node_batch/node_row
 columns) and orders the rows of each batch by where its most recent input lives, so that the
