@@ -5,8 +5,8 @@ tests/test_distributed.py <scenario> <outdir>`) with torchrun's environment vari
 WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=<a free port>), so `fbd.init()` takes the same
 path as under torchrun. A process costs seconds (importing torch), so one pair trains with all
 three strategies, then passes mismatched parameter lists, then fails on purpose twice (a rank
-raising inside a step, then one raising outside), while a second pair (a hanging rank) runs
-side by side.
+raising inside a step, then one raising outside), while a second pair (a hanging rank) and a
+third (leaving cleanly) run side by side.
 """
 
 from __future__ import annotations
@@ -244,11 +244,36 @@ def check_parameter_lists(rank: int) -> dict:
     return out
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that belong to gloo or its process group."""
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()]
+    return sorted(n for n in names if "gloo" in n)
+
+
+def leave(rank: int, outdir: Path) -> None:
+    """Import a torch module that binds `group.WORLD` into default arguments (as torch's
+    optimizers do, lazily) after `init`, run a collective, leave; rank 1 also keeps a
+    reference to the group of its own. Saves the gloo threads alive after `shutdown`."""
+    import torch.distributed.nn.functional as dist_functional
+
+    before = gloo_threads()
+    fbd.sum_scalars([1.0])
+    held = torch.distributed.group.WORLD if rank == 1 else None
+    fbd.shutdown()
+    defaults = dist_functional.all_reduce.__defaults__
+    (outdir / f"leave{rank}.json").write_text(json.dumps({
+        "before": before, "after": gloo_threads(),
+        "defaults_hold_a_group": any(d is not None and "ProcessGroup" in type(d).__name__
+                                     for d in defaults)}))
+    del held
+
+
 def worker(scenario: str, outdir: Path) -> None:
     """"train": the three strategies (results saved), the parameter-list checks (results saved),
     one more run in which rank 1's per-instance code raises at the second step (both ranks
     stop there and go on), then rank 1 raises outside any step while rank 0 starts another
-    run. "hang": rank 1's per-instance code hangs."""
+    run. "hang": rank 1's per-instance code hangs. "leave": see `leave`."""
     ctx = fbd.init(timeout=60 if scenario == "train" else 3)  # reads torchrun's variables
     assert ctx.distributed and ctx.backend == "gloo" and ctx.world_size == 2
 
@@ -260,7 +285,9 @@ def worker(scenario: str, outdir: Path) -> None:
             time.sleep(60)  # "hang": never reaches the step's collectives
 
     try:
-        if scenario == "hang":
+        if scenario == "leave":
+            leave(ctx.rank, outdir)
+        elif scenario == "hang":
             train("agenda", fail_at=fail_at)
         else:
             result = {s: train(s) for s in STRATEGIES}
@@ -337,7 +364,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """Both scenarios start at once: starting a process (importing torch) is most of the cost."""
-    launched = {s: Pair(s, tmp_path_factory.mktemp(s)) for s in ("train", "hang")}
+    launched = {s: Pair(s, tmp_path_factory.mktemp(s)) for s in ("train", "hang", "leave")}
     yield launched
     for pair in launched.values():
         for p in pair.procs:
@@ -446,6 +473,25 @@ def test_a_hanging_rank_is_caught_by_the_collective_timeout(pairs):
            "reach it within the timeout (3 s)" in err0, err0
     waited = stamp(err0, "EXITING-AT") - stamp(err1, "FAILING-AT")
     assert 2.5 < waited < 20, waited
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_shutdown_frees_the_group_and_its_threads_or_warns_who_holds_it(pairs):
+    # A process group that outlives `shutdown` keeps gloo's worker threads running into the
+    # interpreter's exit, where a worker still dropping a collective's tensors aborts the
+    # process (one run in ~30 under load). torch modules imported after `init` that bind
+    # group.WORLD as a default argument must not keep it alive (init imports them first);
+    # a reference the user kept gets a warning that names it.
+    pair = pairs["leave"]
+    results = pair.results()
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited with {code}:\n{err[-3000:]}"
+    rank0, rank1 = (json.loads((pair.outdir / f"leave{r}.json").read_text()) for r in range(2))
+    assert rank0["before"] and rank0["after"] == [], rank0
+    assert not rank0["defaults_hold_a_group"] and not rank1["defaults_hold_a_group"]
+    assert "shutdown: the process group is still referenced" not in results[0][1]
+    assert "shutdown: the process group is still referenced" in results[1][1], results[1][1]
+    assert rank1["after"], rank1  # the warning is true: its threads are still there
 
 
 if __name__ == "__main__":
