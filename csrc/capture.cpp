@@ -1526,6 +1526,12 @@ PyMethodDef kCaptureMethods[] = {
 
 }  // namespace
 
+PyObject* record_torch_call(PyObject* func, PyObject* args, PyObject* kwargs) {
+  OwnTimeScope own;  // recording a call is flybatch's part of the build
+  if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");
+  return record(func, args, kwargs);
+}
+
 PyObject* capture_mode_call(PyObject* mode, PyObject* func, PyObject* types, PyObject* args,
                             PyObject* kwargs) {
   PyObject* call[4] = {func, types, args, kwargs};

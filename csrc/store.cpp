@@ -39,6 +39,11 @@ PyObject* g_expression_type = nullptr;
 using TorchFlag = bool (*)();
 TorchFlag g_grad_mode = nullptr;      // c10::GradMode::is_enabled
 TorchFlag g_function_mode = nullptr;  // at::impl::torch_function_mode_enabled
+// So is the length of the mode stack, at::impl::PythonTorchFunctionTLS::stack_len (its Python
+// stand-in torch._C._len_torch_function_stack).
+using StackLen = std::int64_t (*)();
+StackLen g_stack_len = nullptr;
+PyObject* g_stack_len_py = nullptr;
 // So is torch.autocast's flag of a device type, at::autocast::is_autocast_enabled(DeviceType)
 // (c10::DeviceType is an enum class of int8_t: CPU 0, CUDA 1); its Python stand-in is
 // torch._C._is_any_autocast_enabled (any device type).
@@ -59,6 +64,16 @@ TorchFlag loaded_function(const char* library, const char* symbol) {
   return reinterpret_cast<TorchFlag>(loaded_symbol(library, symbol));
 }
 }  // namespace
+
+std::int64_t torch_function_stack_len() {
+  if (g_stack_len) return g_stack_len();
+  PyObject* n = PyObject_CallNoArgs(g_stack_len_py);
+  if (!n) throw PythonError{};
+  const long long v = PyLong_AsLongLong(n);
+  Py_DECREF(n);
+  if (v == -1 && PyErr_Occurred()) throw PythonError{};
+  return v;
+}
 
 bool torch_function_mode_enabled() {
   if (g_function_mode) return g_function_mode();
@@ -941,12 +956,17 @@ PyObject* configure(PyObject*, PyObject* args) {
       loaded_function("libtorch_cpu.so", "_ZN2at4impl27torch_function_mode_enabledEv");
   g_autocast = reinterpret_cast<AutocastFlag>(loaded_symbol(
       "libtorch_cpu.so", "_ZN2at8autocast19is_autocast_enabledEN3c1010DeviceTypeE"));
-  if (!g_any_autocast) {
+  g_stack_len = reinterpret_cast<StackLen>(
+      loaded_symbol("libtorch_cpu.so", "_ZN2at4impl22PythonTorchFunctionTLS9stack_lenEv"));
+  if (!g_any_autocast || !g_stack_len_py) {
     PyObject* torch_c = PyImport_ImportModule("torch._C");
     if (!torch_c) return nullptr;
-    g_any_autocast = PyObject_GetAttrString(torch_c, "_is_any_autocast_enabled");
+    if (!g_any_autocast)
+      g_any_autocast = PyObject_GetAttrString(torch_c, "_is_any_autocast_enabled");
+    if (!g_stack_len_py)
+      g_stack_len_py = PyObject_GetAttrString(torch_c, "_len_torch_function_stack");
     Py_DECREF(torch_c);
-    if (!g_any_autocast) return nullptr;
+    if (!g_any_autocast || !g_stack_len_py) return nullptr;
   }
   Py_RETURN_NONE;
 }

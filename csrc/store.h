@@ -251,6 +251,8 @@ extern PyObject* g_mode_enabled;    // torch._C._is_torch_function_mode_enabled
 // a tensor attribute read costs a mode dispatch (~2 us), and the mode reports rebinds of
 // requires_grad / data (Store.forget), so the rules may trust what they remember of a tensor.
 bool torch_function_mode_enabled();
+// The length of this thread's torch function mode stack (torch._C._len_torch_function_stack).
+std::int64_t torch_function_stack_len();
 // A tp_getattr that finds `__torch_function__` by an interned name (store.cpp says why).
 PyObject* getattr_by_interned_torch_function(PyObject* self, char* name);
 extern PyTypeObject ExpressionBase;

@@ -160,3 +160,137 @@ def test_the_capture_mode_and_an_expression_give_by_c_string_what_getattr_gives(
             assert by_c_string(obj, name.encode()) == getattr(obj, name)
         with pytest.raises(AttributeError):
             by_c_string(obj, b"no_such_attribute")
+
+
+# ---- shortcuts: the hot torch functions straight to the mode ----------------------------------
+SIGMOID, LINEAR, CAT, TENSOR = torch.sigmoid, F.linear, torch.cat, torch.tensor  # torch's own
+
+
+def test_hot_torch_functions_are_shortcuts_only_while_a_graph_captures():
+    assert torch.sigmoid is SIGMOID and F.linear is LINEAR
+    with fb.Graph():
+        with fb.Graph():  # nested: one set of shortcuts
+            assert type(torch.sigmoid) is _core.Shortcut and type(F.linear) is _core.Shortcut
+        assert torch.sigmoid.__wrapped__ is SIGMOID and F.linear.__wrapped__ is LINEAR
+        assert (torch.sigmoid.__name__, F.linear.__name__) == ("sigmoid", "linear")
+        assert torch.sigmoid.__doc__ == SIGMOID.__doc__ and "shortcut" in repr(torch.cat)
+    assert torch.sigmoid is SIGMOID and F.linear is LINEAR and torch.cat is CAT
+
+
+def test_a_shortcut_records_what_torchs_own_route_records():
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(3))
+    x_value = torch.randn(4)
+    expected = F.linear(x_value, W, b).detach()
+    with fb.Graph() as g:
+        x = fb.input(x_value)
+
+        def both(call):
+            """(the call through the shortcut, through torch's own function), and the nodes
+            each added (after a first call, which made the parameters' nodes)."""
+            call(lambda f: f.__wrapped__)
+            made = []
+            for route in (lambda f: f, lambda f: f.__wrapped__):
+                start = g.n_nodes
+                made.append((call(route), g.n_nodes - start))
+            return made
+
+        pairs = [both(lambda r: r(torch.sigmoid)(x)),
+                 both(lambda r: r(F.linear)(x, W, b)),
+                 both(lambda r: r(torch.cat)([x, x])),
+                 both(lambda r: r(torch.cat)([x, x], dim=-1))]
+        for (short, short_nodes), (own, own_nodes) in pairs:
+            assert isinstance(short, fb.Expression) and isinstance(own, fb.Expression)
+            assert short.shape == own.shape and short_nodes == own_nodes
+            torch.testing.assert_close(short.value(), own.value(), rtol=0, atol=0)
+        torch.testing.assert_close(pairs[1][0][0].value(), expected)
+
+
+def test_a_shortcut_call_on_plain_tensors_runs_or_records_as_the_mode_decides():
+    E = torch.nn.Parameter(torch.randn(5, 2))
+    with fb.Graph():
+        index = torch.tensor([3])
+        assert type(index) is torch.Tensor and index.tolist() == [3]
+        assert type(torch.sigmoid(torch.zeros(2))) is torch.Tensor  # no graph in it: runs
+        row = F.embedding(index, E)  # a parameter that requires grad: recorded
+        assert isinstance(row, fb.Expression)
+        torch.testing.assert_close(row.value(), E.detach()[3:4])
+
+
+def test_a_name_someone_else_rebound_is_left_alone(monkeypatch):
+    def tanh(x):
+        return "mine"
+
+    monkeypatch.setattr(torch, "tanh", tanh)
+    with fb.Graph():
+        assert torch.tanh is tanh
+    assert torch.tanh is tanh
+
+
+def test_threads_share_the_shortcuts_until_the_last_graph_closes():
+    opened, release, seen = threading.Event(), threading.Event(), {}
+
+    def capture_in_a_thread():
+        with fb.Graph():
+            opened.set()
+            release.wait(10)
+            seen["recorded"] = isinstance(torch.sigmoid(fb.input(torch.zeros(2))), fb.Expression)
+
+    worker = threading.Thread(target=capture_in_a_thread)
+    worker.start()
+    opened.wait(10)
+    with fb.Graph():
+        pass
+    assert type(torch.sigmoid) is _core.Shortcut  # the other thread still captures
+    eager = torch.sigmoid(torch.zeros(2))  # this thread does not: torch's own result
+    assert type(eager) is torch.Tensor and torch.equal(eager, torch.full((2,), 0.5))
+    release.set()
+    worker.join()
+    assert seen == {"recorded": True} and torch.sigmoid is SIGMOID
+
+
+def test_a_parameters_indexing_is_a_method_shortcut_only_while_a_graph_captures():
+    U = torch.nn.Parameter(torch.randn(2, 3, 3))
+    assert "__getitem__" not in vars(torch.nn.Parameter)  # torch.Tensor's slot
+    with fb.Graph():
+        assert type(vars(torch.nn.Parameter)["__getitem__"]) is _core.MethodShortcut
+        x = fb.input(torch.ones(3))
+        y = F.linear(x, U[1])
+        torch.testing.assert_close(y.value(), U.detach()[1] @ torch.ones(3))
+    assert "__getitem__" not in vars(torch.nn.Parameter)
+    assert torch.equal(U[0], U.data[0]) and U[0].requires_grad
+
+
+def test_tensor_methods_of_an_expression_record_as_their_torch_functions():
+    assert type(vars(fb.Expression)["chunk"]) is _core.RecordedMethod
+    with fb.Graph():
+        x = fb.input(torch.arange(6.0))
+        parts = x.chunk(3, -1)  # bound as a method: the expression is its first argument
+        assert [p.value().tolist() for p in parts] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+        assert x.sum(dim=0).value().item() == 15.0  # keywords too
+
+
+def test_the_cyclic_collector_pauses_while_a_graph_records_and_runs_after():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    with fb.Graph():
+        assert not gc.isenabled()
+        cycle = Node()
+        cycle.self = cycle
+        alive = weakref.ref(cycle)
+        del cycle
+    assert gc.isenabled()
+    gc.collect()
+    assert alive() is None  # cyclic garbage made inside the block is collected after it
+    gc.disable()  # a collector the user turned off stays off
+    try:
+        with fb.Graph():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

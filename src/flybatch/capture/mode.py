@@ -4,6 +4,7 @@ tensor, writes into parameters, an optimizer's step, modules' backward hooks and
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from typing import Any, Callable
 
@@ -12,6 +13,7 @@ from torch.distributions import Distribution
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 
+from .. import _core
 from ..graph import Expression, _current, live_graphs
 
 
@@ -30,15 +32,79 @@ class _Capture(TorchFunctionMode):
 _thread = threading.local()  # torch's mode stack is per thread: so is the depth of `push`
 
 
+# ---- shortcuts: torch's most called functions straight to the mode ----------------------------
+# While any thread captures, these torch functions are rebound to `_core.Shortcut`s of
+# themselves (csrc/dispatch.cpp): a call with an expression among its arguments reaches the
+# mode without torch's own dispatch (~0.55 us of a ~0.9 us recorded call), any other call runs
+# torch's function as it is. The functions per-instance models call most (the issue's list);
+# `from torch import sigmoid` made before keeps torch's own, which records the same, slower.
+_SHORTCUT_NAMES = {
+    torch: ("tensor zeros ones full cat stack tanh sigmoid relu exp log sum mean max min matmul mm "
+            "bmm mul add sub div "
+            "zeros_like ones_like softmax log_softmax squeeze unsqueeze transpose reshape split "
+            "chunk").split(),
+    torch.nn.functional: ("linear embedding softmax log_softmax dropout cross_entropy nll_loss "
+                          "mse_loss binary_cross_entropy binary_cross_entropy_with_logits "
+                          "layer_norm relu tanh sigmoid").split(),
+    # `U_f[0]`: a part of a parameter, per node of a Tree-LSTM (an attribute of the class
+    # while capture is on; torch.Tensor's own slot is left as it is).
+    torch.nn.Parameter: ["__getitem__"],
+}
+_SHORTCUTS = [(owner, name, getattr(owner, name),
+               (_core.MethodShortcut if isinstance(owner, type) else _core.Shortcut)(
+                   getattr(owner, name)))
+              for owner, names in _SHORTCUT_NAMES.items() for name in names]
+
+# ---- while any thread captures: the shortcuts, and Python's cyclic collector paused ----------
+# A graph block makes tens of thousands of objects that live until it ends (expression handles,
+# index tensors): each makes the cyclic garbage collector run sooner, and each run walks all of
+# them again (a full run, the whole heap of torch's modules too). Paused while a block records,
+# the collector runs as due once the last block ends: ~5% of a torch-native Tree-LSTM step.
+# Cyclic garbage made inside a block is collected after it (reference counting frees the rest
+# at once, as always); a collector the user turned off stays off.
+_process_lock = threading.Lock()
+_capturing_threads = 0
+_paused_collector = False
+
+
+def _process_on() -> None:
+    global _capturing_threads, _paused_collector
+    with _process_lock:
+        _capturing_threads += 1
+        if _capturing_threads == 1:
+            for owner, name, func, shortcut in _SHORTCUTS:
+                if getattr(owner, name) is func:  # (leave a name someone else rebound)
+                    setattr(owner, name, shortcut)
+            _paused_collector = gc.isenabled()
+            gc.disable()
+
+
+def _process_off() -> None:
+    global _capturing_threads
+    with _process_lock:
+        _capturing_threads -= 1
+        if _capturing_threads == 0:
+            if _paused_collector:
+                gc.enable()
+            for owner, name, func, shortcut in _SHORTCUTS:
+                if getattr(owner, name) is shortcut:
+                    if isinstance(owner, type) and getattr(owner.__base__, name, None) is func:
+                        delattr(owner, name)  # inherited again: the base class's own slot
+                    else:
+                        setattr(owner, name, func)
+
+
 def push() -> None:
     """Capture on (nested pushes share one mode; `Graph.__enter__`, `map_batched`)."""
     depth = getattr(_thread, "depth", 0)
     _thread.optimizer_step = False
     if depth == 0:
+        _process_on()
         mode = getattr(_thread, "mode", None)
         if mode is None:  # one per thread, kept: a fresh mode per graph leaked ~35 B each
             mode = _thread.mode = _Capture()
         torch.overrides._push_mode(mode)
+        _core.set_capture_level(torch._C._len_torch_function_stack())  # (the shortcuts')
         # torch.distributions' argument checks, on by default, read values (`valid.all()`: a
         # forward per distribution made) and refuse an expression as a `log_prob` sample (it is
         # no torch.Tensor): off by default inside a graph, as `set_default_validate_args(False)`
@@ -52,7 +118,9 @@ def pop() -> None:
     _thread.depth -= 1
     if _thread.depth == 0:
         torch.overrides._pop_mode()
+        _core.set_capture_level(0)
         Distribution.set_default_validate_args(_thread.validate_args)
+        _process_off()
 
 
 # Tensor attributes and methods that describe a plain tensor: always run as they are (and
