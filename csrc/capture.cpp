@@ -1303,16 +1303,68 @@ PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs
   return checked(PyObject_Vectorcall(g_concat, call, 1, g_dim_name));
 }
 
-PyObject* record(PyObject* func, PyObject* args, PyObject* given) {  // given: a dict
+// `F.linear(input=x, weight=W)`, `torch.cat(tensors=[a, b])`: torch binds its arguments by
+// name too, the handlers take the leading ones by position. A keyword that names the call's
+// next positional parameter moves into place, again while one does (so `reduction="sum"` after
+// two positional arguments stays a keyword, as the handlers take it; `inplace` and `out` always
+// stay keywords). A function's parameter
+// names come once from capture.dispatch._positional_names (its signature, or for a C function
+// the one torch.overrides gives it), kept per function.
+PyObject* g_positional_names = nullptr;       // dict: func -> tuple of parameter names
+PyObject* g_find_positional_names = nullptr;  // capture.dispatch._positional_names
+
+// `args` with the keywords of `kwargs` that name its next parameters moved into place (then
+// removed from `kwargs`, a dict of this call's own); a new reference.
+PyObject* keywords_in_place(PyObject* func, PyObject* args, PyObject* kwargs) {
+  if (!PyDict_GET_SIZE(kwargs) || !g_positional_names) return Py_NewRef(args);
+  PyObject* names = PyDict_GetItemWithError(g_positional_names, func);  // borrowed
+  if (!names) {
+    if (PyErr_Occurred()) throw PythonError{};
+    Owned found{PyObject_CallOneArg(g_find_positional_names, func)};  // stores it too
+    names = PyDict_GetItemWithError(g_positional_names, func);
+    if (!names) {
+      if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "_positional_names did not store");
+      throw PythonError{};
+    }
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  Py_ssize_t moved = 0;
+  while (n + moved < PyTuple_GET_SIZE(names)) {
+    PyObject* name = PyTuple_GET_ITEM(names, n + moved);
+    // (`inplace=`, `out=` stay keywords: record reads them as such, to refuse or redirect)
+    if (PyUnicode_Compare(name, s_inplace) == 0 || PyUnicode_Compare(name, s_out) == 0) break;
+    const int has = PyDict_Contains(kwargs, name);
+    if (has < 0) throw PythonError{};
+    if (!has) break;
+    ++moved;
+  }
+  if (!moved) return Py_NewRef(args);
+  Owned out{PyTuple_New(n + moved)};
+  for (Py_ssize_t i = 0; i < n; ++i)
+    PyTuple_SET_ITEM(out.get(), i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+  for (Py_ssize_t k = 0; k < moved; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(names, n + k);
+    PyObject* value = PyDict_GetItemWithError(kwargs, name);  // borrowed
+    if (!value) throw PythonError{};
+    PyTuple_SET_ITEM(out.get(), n + k, Py_NewRef(value));
+    if (PyDict_DelItem(kwargs, name) < 0) throw PythonError{};
+  }
+  return out.release();
+}
+
+PyObject* record(PyObject* func, PyObject* given_args, PyObject* given) {  // given: a dict
   // Inside a torch.autocast region (rare: one flag read, ~2 ns, per call) the batched kernel
   // would compute in the operands' dtype, not the region's: refused where the region is the
   // graph's device's.
   if (autocast_enabled()) Owned refused{checked(PyObject_CallOneArg(g_refuse_autocast, func))};
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
-  // nn.LogSoftmax's warning depth: not part of the computation
-  Owned kwargs{stacklevel ? PyDict_Copy(given) : Py_NewRef(given)};
+  // nn.LogSoftmax's warning depth (not part of the computation) taken out, and the keywords
+  // of leading parameters put in place: in a copy of the caller's keywords
+  Owned kwargs{PyDict_GET_SIZE(given) ? PyDict_Copy(given) : Py_NewRef(given)};
   if (stacklevel && PyDict_DelItem(kwargs.get(), s_stacklevel) < 0) throw PythonError{};
+  Owned in_place{keywords_in_place(func, given_args, kwargs.get())};
+  PyObject* args = in_place.get();
   PyObject* inplace = PyDict_GetItemWithError(kwargs.get(), s_inplace);  // borrowed
   if (!inplace && PyErr_Occurred()) throw PythonError{};
   if (inplace == Py_True && PyTuple_GET_SIZE(args)) {
@@ -1367,6 +1419,15 @@ PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     Owned args{PySequence_Tuple(argv[1])};
     return record(argv[0], args.get(), argv[2]);
   });
+}
+
+PyObject* configure_positional(PyObject*, PyObject* args) {
+  PyObject *names, *find;
+  if (!PyArg_ParseTuple(args, "O!O:configure_positional", &PyDict_Type, &names, &find))
+    return nullptr;
+  Py_XSETREF(g_positional_names, Py_NewRef(names));
+  Py_XSETREF(g_find_positional_names, Py_NewRef(find));
+  Py_RETURN_NONE;
 }
 
 const char kTorchFunctionDoc[] =
@@ -1518,6 +1579,10 @@ PyMethodDef kCaptureMethods[] = {
      METH_FASTCALL, kAppendPlannedDoc},
     {"configure_capture", configure_capture, METH_VARARGS, kConfigureDoc},
     {"configure_front", configure_front, METH_VARARGS, kConfigureFrontDoc},
+    {"configure_positional", configure_positional, METH_VARARGS,
+     "configure_positional(names, find): the dict of each torch function's positional parameter "
+     "names, and find(func), which adds a function's (keywords of leading parameters are "
+     "recorded as positional arguments)"},
     {"torch_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_call)),
      METH_FASTCALL, kTorchCallDoc},
     {"lookup_rows", lookup_rows_binding, METH_VARARGS, kLookupRowsDoc},

@@ -294,3 +294,35 @@ def test_the_cyclic_collector_pauses_while_a_graph_records_and_runs_after():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_arguments_given_by_keyword_are_recorded_as_torch_binds_them():
+    # `F.linear(input=x, weight=W)`: torch takes any parameter by name; so does the capture
+    # (the leading ones are put in place; `reduction=`, `inplace=` stay keywords).
+    torch.manual_seed(0)
+    W, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(3))
+    x_value = torch.randn(4)
+    calls = [
+        lambda x: F.linear(input=x, weight=W, bias=b),
+        lambda x: F.linear(x, weight=W),
+        lambda x: torch.cat(tensors=[x, x], dim=0),
+        lambda x: torch.sigmoid(input=x),
+        lambda x: x.chunk(chunks=2)[1],
+        lambda x: F.cross_entropy(input=F.linear(x, W, b).unsqueeze(0), target=torch.tensor([2]),
+                                  reduction="sum"),
+    ]
+    eager = [call(x_value) for call in calls]
+    sum(e.sum() for e in eager).backward()
+    grads = (W.grad.clone(), b.grad.clone())
+    W.grad = b.grad = None
+    with fb.Graph():
+        x = fb.input(x_value)
+        recorded = [call(x) for call in calls]
+        for r, e in zip(recorded, eager):
+            assert isinstance(r, fb.Expression)
+            torch.testing.assert_close(r.value(), e.detach(), rtol=1e-6, atol=1e-6)
+        fb.esum([r.sum() for r in recorded]).backward()
+    torch.testing.assert_close((W.grad, b.grad), grads, rtol=1e-6, atol=1e-6)
+    with fb.Graph():  # in place by keyword still refused, naming the function
+        with pytest.raises(TypeError, match=r"relu\(inplace=True\)"):
+            F.relu(input=fb.input(x_value), inplace=True)

@@ -3,6 +3,8 @@ end's configuration, and the fallbacks of a call no handler takes (in-place, `ou
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Callable
 
@@ -114,6 +116,41 @@ _core.configure_dispatch(_Capture, torch.overrides.handle_torch_function)
 for _module in (F, torch.functional, torch._tensor):
     if _module.handle_torch_function is torch.overrides.handle_torch_function:
         _module.handle_torch_function = _core.handle_torch_function
+
+
+# The positional parameters of each recorded torch function, by name: `record` (capture.cpp)
+# puts a call's keywords for its leading parameters in place (`F.linear(input=x, weight=W)` is
+# recorded as `F.linear(x, W)`), as torch itself binds them. Found once per function.
+_POSITIONAL_NAMES: dict[Callable, tuple[str, ...]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_ins() -> dict:
+    # (built afresh at each call, ~0.1 s; keyed by torch's functions as they are bound now:
+    # torch's own, not the shortcuts standing in for them while capture is on)
+    shortcuts = (_core.Shortcut, _core.MethodShortcut)
+    return {f.__wrapped__ if type(f) in shortcuts else f: stand_in
+            for f, stand_in in torch.overrides.get_testing_overrides().items()}
+
+
+def _positional_names(func: Callable) -> tuple[str, ...]:
+    """func's parameters that can be passed by position, in order (its Python signature, or
+    the one torch.overrides gives a C function); () where neither is known."""
+    signature = None
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # a C function: torch's stand-in lambda of its signature
+        stand_in = _stand_ins().get(func)
+        if stand_in is not None:
+            signature = inspect.signature(stand_in)
+    names = () if signature is None else tuple(
+        p.name for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    _POSITIONAL_NAMES[func] = names
+    return names
+
+
+_core.configure_positional(_POSITIONAL_NAMES, _positional_names)
 
 
 def _register(funcs, handler) -> None:
