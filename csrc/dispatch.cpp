@@ -111,6 +111,24 @@ PyObject* call_overrides(PyObject* func, PyObject* overloaded, PyObject* types, 
         "nor in mode %S", module.get(), name.get(), kinds.get(), mode);
 }
 
+// `mode` back on torch's stack after a call made with it popped, whatever the call did
+// (torch's `finally`): returns the call's `result`, its error (result NULL) kept across the push.
+PyObject* pushed_back(PyObject* mode, PyObject* result) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* pushed = PyObject_CallOneArg(g_push_mode, mode);
+  if (!pushed) {
+    Py_XDECREF(result);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    throw PythonError{};
+  }
+  Py_DECREF(pushed);
+  PyErr_Restore(type, value, traceback);
+  return result;
+}
+
 const char kHandleDoc[] =
     "handle_torch_function(public_api, relevant_args, *args, **kwargs)\n\n"
     "torch.overrides.handle_torch_function, in C where the innermost torch function mode is "
@@ -138,13 +156,8 @@ PyObject* handle_torch_function(PyObject*, PyObject* const* given, Py_ssize_t na
     if (nargs < 2 || !torch_function_mode_enabled()) return torch_own();
     Owned overloaded{overloaded_args(argv[1])};
     Owned mode{PyObject_CallNoArgs(g_pop_mode)};
-    auto push_back = [&] {
-      PyObject* pushed = PyObject_CallOneArg(g_push_mode, mode.get());
-      Py_XDECREF(pushed);
-      return pushed != nullptr;
-    };
     if (Py_TYPE(mode.get()) != reinterpret_cast<PyTypeObject*>(g_mode_class)) {
-      if (!push_back()) throw PythonError{};
+      Py_DECREF(checked(pushed_back(mode.get(), Py_NewRef(Py_None))));  // (not ours: back)
       return torch_own();
     }
     const Py_ssize_t n_kw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -162,20 +175,7 @@ PyObject* handle_torch_function(PyObject*, PyObject* const* given, Py_ssize_t na
       filled = PyDict_SetItem(kwargs.get(), PyTuple_GET_ITEM(kwnames, j), argv[nargs + j]) == 0;
     if (filled)
       result = capture_mode_call(mode.get(), argv[0], types.get(), args.get(), kwargs.get());
-    // The mode goes back on the stack whatever happened (torch's `finally`), the call's error
-    // kept across the push.
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    const bool pushed = push_back();
-    if (!pushed) {
-      Py_XDECREF(result);
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(traceback);
-      throw PythonError{};
-    }
-    PyErr_Restore(type, value, traceback);
-    if (!result) throw PythonError{};
+    result = checked(pushed_back(mode.get(), result));
     if (result != Py_NotImplemented) return result;
     Py_DECREF(result);
     return call_overrides(argv[0], overloaded.get(), types.get(), args.get(), kwargs.get(),
@@ -204,7 +204,7 @@ struct Shortcut {
   PyObject* func;  // torch's own function
   vectorcallfunc vectorcall;
 };
-extern PyTypeObject ShortcutType;
+extern PyTypeObject ShortcutType, MethodShortcutType;
 
 // A vectorcall's arguments as torch gives them to a mode: an args tuple and a kwargs dict.
 struct CallParts {
@@ -268,21 +268,8 @@ PyObject* shortcut_call(PyObject* self, PyObject* const* args, std::size_t nargs
       if (expression) return record_torch_call(func, call.args.get(), call.kwargs.get());
       return capture_mode_call(mode.get(), func, g_no_types, call.args.get(), call.kwargs.get());
     });
-    // The mode goes back on the stack whatever happened (torch's `finally`), the call's error
-    // kept across the push.
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject* pushed = PyObject_CallOneArg(g_push_mode, mode.get());
-    if (!pushed) {
-      Py_XDECREF(result);
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(traceback);
-      throw PythonError{};
-    }
-    Py_DECREF(pushed);
-    PyErr_Restore(type, value, traceback);
-    if (result != Py_NotImplemented) return checked(result);
+    result = checked(pushed_back(mode.get(), result));
+    if (result != Py_NotImplemented) return result;
     // The mode declined (torch asks the overloaded arguments next), or the stack's innermost
     // mode was another's after all: torch's own route.
     Py_DECREF(result);
@@ -291,7 +278,8 @@ PyObject* shortcut_call(PyObject* self, PyObject* const* args, std::size_t nargs
 }
 
 PyObject* unwrapped(PyObject* func) {
-  return PyObject_TypeCheck(func, &ShortcutType) ? reinterpret_cast<Shortcut*>(func)->func : func;
+  const bool shortcut = Py_TYPE(func) == &ShortcutType || Py_TYPE(func) == &MethodShortcutType;
+  return shortcut ? reinterpret_cast<Shortcut*>(func)->func : func;
 }
 
 PyObject* shortcut_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
@@ -336,10 +324,19 @@ PyObject* shortcut_repr(PyObject* self) {
   return PyUnicode_FromFormat("<flybatch shortcut to %R>", reinterpret_cast<Shortcut*>(self)->func);
 }
 
-PyTypeObject ShortcutType = [] {
+// The three types of a torch function standing in (the same layout): a function (Shortcut), a
+// method set on a class (MethodShortcut: bound to the instance as a function is; CPython calls
+// it unbound, self first, with no bound-method object), the Tensor method of an expression
+// (RecordedMethod).
+PyObject* method_shortcut_get(PyObject* self, PyObject* obj, PyObject*) {
+  if (!obj || obj == Py_None) return Py_NewRef(self);
+  return PyMethod_New(self, obj);
+}
+
+PyTypeObject wrapper_type(const char* name, const char* doc, bool method, newfunc make) {
   PyTypeObject t{};
   t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
-  t.tp_name = "flybatch._core.Shortcut";
+  t.tp_name = name;
   t.tp_basicsize = sizeof(Shortcut);
   t.tp_dealloc = shortcut_dealloc;
   t.tp_vectorcall_offset = offsetof(Shortcut, vectorcall);
@@ -347,39 +344,28 @@ PyTypeObject ShortcutType = [] {
   t.tp_getattro = shortcut_getattro;
   t.tp_repr = shortcut_repr;
   t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
-  t.tp_doc = "Shortcut(func): func, with calls on flybatch expressions sent straight to the "
-             "capture mode (csrc/dispatch.cpp).";
+  if (method) {
+    t.tp_descr_get = method_shortcut_get;
+    t.tp_flags |= Py_TPFLAGS_METHOD_DESCRIPTOR;
+  }
+  t.tp_doc = doc;
   t.tp_traverse = shortcut_traverse;
-  t.tp_new = shortcut_new;
+  t.tp_new = make;
   return t;
-}();
-
-// A Shortcut of a method (`Parameter.__getitem__`), set on a class: bound to the instance as a
-// function is (CPython calls it unbound, self first, without a bound-method object).
-PyObject* method_shortcut_get(PyObject* self, PyObject* obj, PyObject*) {
-  if (!obj || obj == Py_None) return Py_NewRef(self);
-  return PyMethod_New(self, obj);
 }
 
-PyTypeObject MethodShortcutType = [] {
-  PyTypeObject t{};
-  t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
-  t.tp_name = "flybatch._core.MethodShortcut";
-  t.tp_basicsize = sizeof(Shortcut);
-  t.tp_base = &ShortcutType;
-  t.tp_dealloc = shortcut_dealloc;
-  t.tp_vectorcall_offset = offsetof(Shortcut, vectorcall);
-  t.tp_call = PyVectorcall_Call;
-  t.tp_getattro = shortcut_getattro;
-  t.tp_repr = shortcut_repr;
-  t.tp_descr_get = method_shortcut_get;
-  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-               Py_TPFLAGS_METHOD_DESCRIPTOR;
-  t.tp_doc = "MethodShortcut(method): a Shortcut that binds to instances as a method does.";
-  t.tp_traverse = shortcut_traverse;
-  t.tp_new = shortcut_new;
-  return t;
-}();
+PyTypeObject ShortcutType = wrapper_type(
+    "flybatch._core.Shortcut",
+    "Shortcut(func): func, with calls on flybatch expressions sent straight to the capture mode "
+    "(csrc/dispatch.cpp).",
+    false, shortcut_new);
+PyTypeObject MethodShortcutType = wrapper_type(
+    "flybatch._core.MethodShortcut",
+    "MethodShortcut(method): a Shortcut that binds to instances as a method does.", true,
+    shortcut_new);
+
+
+
 
 PyObject* set_capture_level(PyObject*, PyObject* arg) {
   const long long level = PyLong_AsLongLong(arg);
@@ -408,24 +394,11 @@ PyObject* recorded_method_new(PyTypeObject* type, PyObject* args, PyObject* kwar
   return self;
 }
 
-PyTypeObject RecordedMethodType = [] {
-  PyTypeObject t{};
-  t.ob_base.ob_base.ob_refcnt = 1;  // a static type; PyType_Ready fills in the rest
-  t.tp_name = "flybatch._core.RecordedMethod";
-  t.tp_basicsize = sizeof(Shortcut);
-  t.tp_dealloc = shortcut_dealloc;
-  t.tp_vectorcall_offset = offsetof(Shortcut, vectorcall);
-  t.tp_call = PyVectorcall_Call;
-  t.tp_getattro = shortcut_getattro;
-  t.tp_descr_get = method_shortcut_get;
-  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-               Py_TPFLAGS_METHOD_DESCRIPTOR;
-  t.tp_doc = "RecordedMethod(tensor_method): the method of an expression that records "
-             "tensor_method(self, ...) as a node (capture.torch_call).";
-  t.tp_traverse = shortcut_traverse;
-  t.tp_new = recorded_method_new;
-  return t;
-}();
+PyTypeObject RecordedMethodType = wrapper_type(
+    "flybatch._core.RecordedMethod",
+    "RecordedMethod(tensor_method): the method of an expression that records "
+    "tensor_method(self, ...) as a node (capture.torch_call).",
+    true, recorded_method_new);
 
 const char kConfigureDispatchDoc[] =
     "configure_dispatch(mode_class, torch_handle)\n\n"
