@@ -34,8 +34,10 @@ tensor stands for its new value in the calls that follow (`Graph.shadows`).
 The stages, one module each (in the order they build on each other):
 - `calls`: how a recorded call is taken apart (operands, template, constants key), its output
   shape from meta tensors, and the facts about operands every stage asks;
-- `mode`: switching capture on and off, and what stays outside it (describing a tensor,
-  rebinding a parameter, an optimizer's step, backward hooks, buffers);
+- `mode`: switching capture on and off (while any thread captures: the C shortcuts that take
+  the most called torch functions straight to the mode, the cyclic collector paused), and what
+  stays outside it (describing a tensor, rebinding a parameter, an optimizer's step, backward
+  hooks, buffers);
 - `argmax`: `ArgmaxIndex`, an int that is also torch's 0-d index tensor;
 - `generic`: the generic fallback (vmap over the batch; values for data-dependent calls);
 - `direct`: direct batched calls and the plans that make a known call one C append;

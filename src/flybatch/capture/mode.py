@@ -1,5 +1,7 @@
-"""Switching capture on and off, and what stays outside it: the calls that describe a
-tensor, writes into parameters, an optimizer's step, modules' backward hooks and buffers."""
+"""Switching capture on and off (and, while any thread captures, the shortcuts for torch's most
+called functions and the cyclic collector paused), and what stays outside it: the calls that
+describe a tensor, writes into parameters, an optimizer's step, modules' backward hooks and
+buffers."""
 
 from __future__ import annotations
 
