@@ -126,8 +126,8 @@ _POSITIONAL_NAMES: dict[Callable, tuple[str, ...]] = {}
 
 @functools.lru_cache(maxsize=None)
 def _stand_ins() -> dict:
-    # (built afresh at each call, ~0.1 s; keyed by torch's functions as they are bound now:
-    # torch's own, not the shortcuts standing in for them while capture is on)
+    # torch's stand-in lambdas of ~1.4k functions' signatures, keyed by torch's own functions
+    # (the table is made with whatever the names are bound to now: a shortcut while capturing)
     shortcuts = (_core.Shortcut, _core.MethodShortcut)
     return {f.__wrapped__ if type(f) in shortcuts else f: stand_in
             for f, stand_in in torch.overrides.get_testing_overrides().items()}
