@@ -23,6 +23,9 @@ namespace flybatch {
 
 i64 operand_node(Store* g, PyObject* x);  // rules.cpp: an operand's node (may call Python)
 
+// Records func(*args, **kwargs) (a dict), capture.torch_call; defined below, after the rules.
+PyObject* record_torch_call(PyObject* func, PyObject* args, PyObject* kwargs);
+
 namespace {
 
 PyObject* g_slot_type = nullptr;        // capture.calls._Slot
@@ -1306,45 +1309,57 @@ PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs
 // `F.linear(input=x, weight=W)`, `torch.cat(tensors=[a, b])`: torch binds its arguments by
 // name too, the handlers take the leading ones by position. A keyword that names the call's
 // next positional parameter moves into place, again while one does (so `reduction="sum"` after
-// two positional arguments stays a keyword, as the handlers take it; `inplace` and `out` always
-// stay keywords). A function's parameter
+// two positional arguments stays a keyword, as the handlers take it; `inplace`, `out` and
+// `_stacklevel` always stay keywords). A function's parameter
 // names come once from capture.dispatch._positional_names (its signature, or for a C function
 // the one torch.overrides gives it), kept per function.
 PyObject* g_positional_names = nullptr;       // dict: func -> tuple of parameter names
 PyObject* g_find_positional_names = nullptr;  // capture.dispatch._positional_names
 
-// `args` with the keywords of `kwargs` that name its next parameters moved into place (then
-// removed from `kwargs`, a dict of this call's own); a new reference.
-PyObject* keywords_in_place(PyObject* func, PyObject* args, PyObject* kwargs) {
-  if (!PyDict_GET_SIZE(kwargs) || !g_positional_names) return Py_NewRef(args);
-  PyObject* names = PyDict_GetItemWithError(g_positional_names, func);  // borrowed
-  if (!names) {
+// How many of `kwargs`' keywords name `args`' next parameters, in order; `names` set to the
+// function's parameter names (borrowed) where any do.
+Py_ssize_t movable_keywords(PyObject* func, PyObject* args, PyObject* kwargs, PyObject** names) {
+  if (!PyDict_GET_SIZE(kwargs) || !g_positional_names) return 0;
+  PyObject* known = PyDict_GetItemWithError(g_positional_names, func);  // borrowed
+  if (!known) {
     if (PyErr_Occurred()) throw PythonError{};
     Owned found{PyObject_CallOneArg(g_find_positional_names, func)};  // stores it too
-    names = PyDict_GetItemWithError(g_positional_names, func);
-    if (!names) {
+    known = PyDict_GetItemWithError(g_positional_names, func);
+    if (!known) {
       if (!PyErr_Occurred()) raise(PyExc_RuntimeError, "_positional_names did not store");
       throw PythonError{};
     }
   }
-  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
   Py_ssize_t moved = 0;
-  while (n + moved < PyTuple_GET_SIZE(names)) {
-    PyObject* name = PyTuple_GET_ITEM(names, n + moved);
-    // (`inplace=`, `out=` stay keywords: record reads them as such, to refuse or redirect)
-    if (PyUnicode_Compare(name, s_inplace) == 0 || PyUnicode_Compare(name, s_out) == 0) break;
+  while (n + moved < PyTuple_GET_SIZE(known)) {
+    PyObject* name = PyTuple_GET_ITEM(known, n + moved);
+    // (`inplace=`, `out=` stay keywords: record reads them as such, to refuse or redirect; and
+    // `_stacklevel=`, which record drops)
+    if (PyUnicode_Compare(name, s_inplace) == 0 || PyUnicode_Compare(name, s_out) == 0 ||
+        PyUnicode_Compare(name, s_stacklevel) == 0)
+      break;
     const int has = PyDict_Contains(kwargs, name);
     if (has < 0) throw PythonError{};
     if (!has) break;
     ++moved;
   }
-  if (!moved) return Py_NewRef(args);
+  *names = known;
+  return moved;
+}
+
+// `args` followed by the `moved` keywords of `kwargs` named next in `names`, which are taken out
+// of `kwargs` (a dict of this call's own); a new reference.
+PyObject* keywords_moved_in(PyObject* args, PyObject* kwargs, PyObject* names,
+                            Py_ssize_t moved) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
   Owned out{PyTuple_New(n + moved)};
   for (Py_ssize_t i = 0; i < n; ++i)
     PyTuple_SET_ITEM(out.get(), i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
   for (Py_ssize_t k = 0; k < moved; ++k) {
     PyObject* name = PyTuple_GET_ITEM(names, n + k);
     PyObject* value = PyDict_GetItemWithError(kwargs, name);  // borrowed
+    if (!value && !PyErr_Occurred()) raise(PyExc_KeyError, "keywords_moved_in: %R", name);
     if (!value) throw PythonError{};
     PyTuple_SET_ITEM(out.get(), n + k, Py_NewRef(value));
     if (PyDict_DelItem(kwargs, name) < 0) throw PythonError{};
@@ -1359,11 +1374,14 @@ PyObject* record(PyObject* func, PyObject* given_args, PyObject* given) {  // gi
   if (autocast_enabled()) Owned refused{checked(PyObject_CallOneArg(g_refuse_autocast, func))};
   const int stacklevel = PyDict_Contains(given, s_stacklevel);
   if (stacklevel < 0) throw PythonError{};
+  PyObject* names = nullptr;
+  const Py_ssize_t moved = movable_keywords(func, given_args, given, &names);
   // nn.LogSoftmax's warning depth (not part of the computation) taken out, and the keywords
-  // of leading parameters put in place: in a copy of the caller's keywords
-  Owned kwargs{PyDict_GET_SIZE(given) ? PyDict_Copy(given) : Py_NewRef(given)};
+  // of leading parameters put in place: in a copy of the caller's keywords, made only then
+  Owned kwargs{stacklevel || moved ? PyDict_Copy(given) : Py_NewRef(given)};
   if (stacklevel && PyDict_DelItem(kwargs.get(), s_stacklevel) < 0) throw PythonError{};
-  Owned in_place{keywords_in_place(func, given_args, kwargs.get())};
+  Owned in_place{moved ? keywords_moved_in(given_args, kwargs.get(), names, moved)
+                       : Py_NewRef(given_args)};
   PyObject* args = in_place.get();
   PyObject* inplace = PyDict_GetItemWithError(kwargs.get(), s_inplace);  // borrowed
   if (!inplace && PyErr_Occurred()) throw PythonError{};
@@ -1411,13 +1429,11 @@ const char kTorchCallDoc[] =
     "in capture._HANDLERS, else capture.dispatch._unhandled (configure_front first).";
 
 PyObject* torch_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  OwnTimeScope own;  // recording a call is flybatch's part of the build
   return guarded([&]() -> PyObject* {
     if (argc != 3 || !PyDict_Check(argv[2]))
       raise(PyExc_TypeError, "torch_call(func, args, kwargs: dict)");
-    if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");
     Owned args{PySequence_Tuple(argv[1])};
-    return record(argv[0], args.get(), argv[2]);
+    return record_torch_call(argv[0], args.get(), argv[2]);
   });
 }
 

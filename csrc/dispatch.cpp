@@ -111,6 +111,19 @@ PyObject* call_overrides(PyObject* func, PyObject* overloaded, PyObject* types, 
         "nor in mode %S", module.get(), name.get(), kinds.get(), mode);
 }
 
+// A vectorcall's arguments as torch gives them to a mode: an args tuple and a kwargs dict.
+struct CallParts {
+  Owned args;
+  Owned kwargs;
+  CallParts(PyObject* const* argv, Py_ssize_t nargs, PyObject* kwnames)
+      : args(PyTuple_New(nargs)), kwargs(PyDict_New()) {
+    for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(args.get(), i, Py_NewRef(argv[i]));
+    for (Py_ssize_t j = 0; kwnames && j < PyTuple_GET_SIZE(kwnames); ++j)
+      if (PyDict_SetItem(kwargs.get(), PyTuple_GET_ITEM(kwnames, j), argv[nargs + j]) < 0)
+        throw PythonError{};
+  }
+};
+
 // `mode` back on torch's stack after a call made with it popped, whatever the call did
 // (torch's `finally`): returns the call's `result`, its error (result NULL) kept across the push.
 PyObject* pushed_back(PyObject* mode, PyObject* result) {
@@ -155,31 +168,25 @@ PyObject* handle_torch_function(PyObject*, PyObject* const* given, Py_ssize_t na
                                                               kwnames)); };
     if (nargs < 2 || !torch_function_mode_enabled()) return torch_own();
     Owned overloaded{overloaded_args(argv[1])};
+    Owned types{PyTuple_New(PyList_GET_SIZE(overloaded.get()))};
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(overloaded.get()); ++i)
+      PyTuple_SET_ITEM(types.get(), i, Py_NewRef(reinterpret_cast<PyObject*>(
+                                           Py_TYPE(PyList_GET_ITEM(overloaded.get(), i)))));
+    const CallParts call(argv + 2, nargs - 2, kwnames);  // (after func and relevant_args)
+    // (everything made before the mode comes off the stack: an error can no longer skip its
+    // push back)
     Owned mode{PyObject_CallNoArgs(g_pop_mode)};
     if (Py_TYPE(mode.get()) != reinterpret_cast<PyTypeObject*>(g_mode_class)) {
       Py_DECREF(checked(pushed_back(mode.get(), Py_NewRef(Py_None))));  // (not ours: back)
       return torch_own();
     }
-    const Py_ssize_t n_kw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    PyObject* result = nullptr;
-    Owned types{PyTuple_New(PyList_GET_SIZE(overloaded.get()))};
-    Owned args{PyTuple_New(nargs - 2)};
-    Owned kwargs{PyDict_New()};
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(overloaded.get()); ++i)
-      PyTuple_SET_ITEM(types.get(), i, Py_NewRef(reinterpret_cast<PyObject*>(
-                                           Py_TYPE(PyList_GET_ITEM(overloaded.get(), i)))));
-    for (Py_ssize_t i = 2; i < nargs; ++i)
-      PyTuple_SET_ITEM(args.get(), i - 2, Py_NewRef(argv[i]));
-    bool filled = true;
-    for (Py_ssize_t j = 0; j < n_kw && filled; ++j)
-      filled = PyDict_SetItem(kwargs.get(), PyTuple_GET_ITEM(kwnames, j), argv[nargs + j]) == 0;
-    if (filled)
-      result = capture_mode_call(mode.get(), argv[0], types.get(), args.get(), kwargs.get());
+    PyObject* result = capture_mode_call(mode.get(), argv[0], types.get(), call.args.get(),
+                                         call.kwargs.get());
     result = checked(pushed_back(mode.get(), result));
     if (result != Py_NotImplemented) return result;
     Py_DECREF(result);
-    return call_overrides(argv[0], overloaded.get(), types.get(), args.get(), kwargs.get(),
-                          mode.get());
+    return call_overrides(argv[0], overloaded.get(), types.get(), call.args.get(),
+                          call.kwargs.get(), mode.get());
   });
 }
 
@@ -205,19 +212,6 @@ struct Shortcut {
   vectorcallfunc vectorcall;
 };
 extern PyTypeObject ShortcutType, MethodShortcutType;
-
-// A vectorcall's arguments as torch gives them to a mode: an args tuple and a kwargs dict.
-struct CallParts {
-  Owned args;
-  Owned kwargs;
-  CallParts(PyObject* const* argv, Py_ssize_t nargs, PyObject* kwnames)
-      : args(PyTuple_New(nargs)), kwargs(PyDict_New()) {
-    for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(args.get(), i, Py_NewRef(argv[i]));
-    for (Py_ssize_t j = 0; kwnames && j < PyTuple_GET_SIZE(kwnames); ++j)
-      if (PyDict_SetItem(kwargs.get(), PyTuple_GET_ITEM(kwnames, j), argv[nargs + j]) < 0)
-        throw PythonError{};
-  }
-};
 
 // Whether `match` holds for an argument, or for an item of a list or tuple argument.
 template <class Match>
@@ -363,9 +357,6 @@ PyTypeObject MethodShortcutType = wrapper_type(
     "flybatch._core.MethodShortcut",
     "MethodShortcut(method): a Shortcut that binds to instances as a method does.", true,
     shortcut_new);
-
-
-
 
 PyObject* set_capture_level(PyObject*, PyObject* arg) {
   const long long level = PyLong_AsLongLong(arg);
