@@ -18,6 +18,8 @@
 #include "store.h"
 
 #include <cstring>
+#include <memory>
+#include <string_view>
 
 namespace flybatch {
 
@@ -41,9 +43,7 @@ PyObject* g_slots[kSharedSlots] = {};
 PyObject* s_fast = nullptr;             // "fast"
 PyObject* s_add = nullptr;              // "add"
 PyObject* s_shadows = nullptr;          // "shadows"
-PyObject* s_node_dtypes = nullptr;      // "node_dtypes"
 PyObject* s_dtype = nullptr;            // "dtype"
-PyObject* s_fixed_dtype = nullptr;      // "_dtype"
 PyObject* s_hash = nullptr;             // "#"
 PyObject* s_open_tuple = nullptr;       // "("
 PyObject* s_open_list = nullptr;        // "["
@@ -89,9 +89,8 @@ bool is_tensor(PyObject* x) {
 // Graph.dtype (a new reference): the graph's `_dtype` once fixed, without calling the property
 // (a Python call, twice per recorded call otherwise); the property while it is not.
 PyObject* graph_dtype(PyObject* graph) {
-  PyObject* fixed = checked(PyObject_GetAttr(graph, s_fixed_dtype));
-  if (fixed != Py_None) return fixed;
-  Py_DECREF(fixed);
+  PyObject* fixed = graph_fixed_dtype(reinterpret_cast<Store*>(graph));
+  if (fixed != Py_None) return Py_NewRef(fixed);
   return checked(PyObject_GetAttr(graph, s_dtype));
 }
 
@@ -340,11 +339,9 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
   return guarded([&]() -> PyObject* {
     if (argc != 3 || !PyObject_TypeCheck(argv[0], &StoreType))
       raise(PyExc_TypeError, "append_planned(graph, plan, nodes: tuple)");
-    check_open(reinterpret_cast<Store*>(argv[0]));
-    Owned node_dtypes{PyObject_GetAttr(argv[0], s_node_dtypes)};
-    if (!PyDict_Check(node_dtypes.get()))
-      raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
-    return append_planned(argv[0], argv[1], argv[2], node_dtypes.get());
+    Store* g = reinterpret_cast<Store*>(argv[0]);
+    check_open(g);
+    return append_planned(argv[0], argv[1], argv[2], graph_node_dtypes(g));
   });
 }
 
@@ -399,13 +396,8 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
     TakeApart t{};
     t.g = g;
     t.graph = graph.get();
-    Owned shadows{PyObject_GetAttr(graph.get(), s_shadows)};
-    t.shadows =
-        PyDict_Check(shadows.get()) && PyDict_GET_SIZE(shadows.get()) ? shadows.get() : nullptr;
-    Owned node_dtypes{PyObject_GetAttr(graph.get(), s_node_dtypes)};
-    if (!PyDict_Check(node_dtypes.get()))
-      raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
-    t.node_dtypes = node_dtypes.get();
+    t.shadows = graph_has_shadows(g) ? g->shadows : nullptr;
+    t.node_dtypes = graph_node_dtypes(g);
     Owned nodes{PyList_New(0)}, operands{PyList_New(0)}, params{PyList_New(0)},
         weight{PyList_New(0)}, key{PyList_New(0)};
     t.nodes = nodes.get();
@@ -443,7 +435,7 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
         params_tuple{PyList_AsTuple(params.get())}, weight_tuple{PyList_AsTuple(weight.get())};
     auto make_deferred = [&] {  // their nodes, in the operands' order
       for (const auto& [at, v] : deferred) {
-        Owned id{PyLong_FromLongLong(add_index_input(graph.get(), node_dtypes.get(), v))};
+        Owned id{PyLong_FromLongLong(add_index_input(graph.get(), t.node_dtypes, v))};
         if (PyList_SetItem(nodes.get(), at, id.release()) < 0) throw PythonError{};
       }
     };
@@ -455,7 +447,7 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
       if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type)) {
         make_deferred();
         Owned nodes_tuple{PyList_AsTuple(nodes.get())};
-        PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get(), node_dtypes.get());
+        PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get(), t.node_dtypes);
         if (plan_used) *plan_used = Py_NewRef(plan);  // (a new reference)
         return out;
       }
@@ -537,7 +529,6 @@ PyObject* g_fb_unary = nullptr;         // capture._FB_UNARY: torch.tanh, Tensor
 PyObject* g_planned = nullptr;          // capture._PLANNED: F.linear, Tensor.view... -> (handler, weights)
 PyObject* g_recipe_type = nullptr;      // capture.direct._Recipe
 PyObject* s_apply = nullptr;            // "apply"
-PyObject* s_node_dtypes_attr = nullptr; // "node_dtypes"
 PyObject* s_stacklevel = nullptr;       // "_stacklevel"
 PyObject* s_inplace = nullptr;          // "inplace"
 PyObject* s_out = nullptr;              // "out"
@@ -779,9 +770,9 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   Expression* e = reinterpret_cast<Expression*>(x);
-  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes_attr)};
+  PyObject* node_dtypes = graph_node_dtypes(e->graph);
   Owned id{PyLong_FromLongLong(expression_node(e))};
-  PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
+  PyObject* dtype = PyDict_GetItemWithError(node_dtypes, id.get());  // borrowed
   if (!dtype && PyErr_Occurred()) throw PythonError{};
   if (dtype) return nullptr;  // not of the graph's floating dtype, which the fb op computes in
   return checked(PyObject_CallOneArg(op, x));
@@ -805,8 +796,7 @@ PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
     return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
   Expression* e = reinterpret_cast<Expression*>(x);
   PyObject* graph = reinterpret_cast<PyObject*>(e->graph);
-  Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
-  if (!PyDict_Check(node_dtypes.get())) raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+  Owned node_dtypes{Py_NewRef(graph_node_dtypes(e->graph))};
   Owned id{PyLong_FromLongLong(expression_node(e))};
   Owned nodes{PyTuple_Pack(1, id.get())};
   const Py_ssize_t n = PyList_GET_SIZE(plans.get());
@@ -827,17 +817,38 @@ constexpr i64 kListForm = -1, kTupleForm = -2, kIntForm = -3, kNodeForm = -4,
               kIndexForm = -5, kNameForm = -6, kNoneForm = -7, kBoolForm = -8, kFloatForm = -9,
               kTextForm = -10;
 
+// A few values on the stack, more on the heap: a form is built per recorded call, and a heap
+// allocation there costs as much as a dict lookup.
+template <typename T, std::size_t kInline>
+class InlineBuffer {
+ public:
+  void append(const T* values, std::size_t n) {
+    if (heap_.empty() && size_ + n <= kInline) {
+      std::copy(values, values + n, inline_ + size_);
+    } else {
+      if (heap_.empty()) heap_.assign(inline_, inline_ + size_);
+      heap_.insert(heap_.end(), values, values + n);
+    }
+    size_ += n;
+  }
+  void push_back(const T& value) { append(&value, 1); }
+  const T* data() const { return heap_.empty() ? inline_ : heap_.data(); }
+  std::size_t size() const { return size_; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+
+ private:
+  T inline_[kInline];
+  std::vector<T> heap_;
+  std::size_t size_ = 0;
+};
+
 struct CallForm {
-  std::string text;
-  std::vector<i64> nodes;  // the operand nodes, in take_apart's order
+  InlineBuffer<char, 256> text;
+  InlineBuffer<i64, 8> nodes;  // the operand nodes, in take_apart's order
   bool known = true;       // every argument of a kind spelled out here
   bool ready = false;      // `describe` found the graph's dtype fixed
 
-  CallForm() {  // (room for a few operands without reallocating)
-    text.reserve(256);
-    nodes.reserve(8);
-  }
-
+  std::string_view key() const { return {text.data(), text.size()}; }
   void add(i64 v) { text.append(reinterpret_cast<const char*>(&v), sizeof v); }
   void add(i64 a, i64 b) { add(a); add(b); }
   void add_int(PyObject* v) {
@@ -884,21 +895,24 @@ struct CallForm {
   // Each operand node's shape id, dtype (its own, or the graph's) and whether it is a
   // parameter node: take_apart's operands and params. A shared parameter's node is in the
   // plan's signature, not its form: the nodes are spelled out too where they are parameters.
-  bool describe(PyObject* graph, Store* g) {
-    PyObject* fixed = checked(PyObject_GetAttr(graph, s_fixed_dtype));
-    Owned held{fixed};
+  bool describe(Store* g) {
+    PyObject* fixed = graph_fixed_dtype(g);
     if (fixed == Py_None) return false;  // not fixed yet: an operand's dtype may change
     // A tensor the graph wrote into stands for a node of its own (take_apart asks Python)
-    if (truth(Owned{PyObject_GetAttr(graph, s_shadows)}.get())) return false;
+    if (graph_has_shadows(g)) return false;
     add(reinterpret_cast<i64>(fixed));
-    Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
-    if (!PyDict_Check(node_dtypes.get())) return false;
+    PyObject* node_dtypes = graph_node_dtypes(g);
+    const bool all_floating = PyDict_GET_SIZE(node_dtypes) == 0;
     const std::int32_t parameter_code = op_code(g_parameter_op);
-    for (const i64 node : nodes) {
+    for (std::size_t k = 0; k < nodes.size(); ++k) {
+      const i64 node = nodes[k];
       if (node == kDeferredNode) continue;  // (its shape and dtype are in the form)
-      Owned id{PyLong_FromLongLong(node)};
-      PyObject* dtype = PyDict_GetItemWithError(node_dtypes.get(), id.get());  // borrowed
-      if (!dtype && PyErr_Occurred()) throw PythonError{};
+      PyObject* dtype = nullptr;  // borrowed
+      if (!all_floating) {
+        Owned id{PyLong_FromLongLong(node)};
+        dtype = PyDict_GetItemWithError(node_dtypes, id.get());
+        if (!dtype && PyErr_Occurred()) throw PythonError{};
+      }
       const bool parameter = g->nodes->op[node] == parameter_code;
       add(g->nodes->shape[node], reinterpret_cast<i64>(dtype));
       add(parameter ? node : -1);
@@ -930,6 +944,45 @@ bool class_in_range(Store* g, const Expression* x, PyObject* value, PyObject* kw
   const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
   if (v == -1 && PyErr_Occurred()) throw PythonError{};
   return !overflow && (v == ignore || (0 <= v && v < classes));
+}
+
+// What a form's later calls append without the plan (PlannedCall): learnt from the node its
+// plan appended, where every call of the form makes the same node but for its inputs. Its
+// signature is the plan's head and the nodes of its shared operands, the same for every call
+// of the form only where they are parameters (whose nodes the form spells out); a node written
+// under no_grad has a signature of its own.
+void learn_node(Store* g, PlannedCall& known, Expression* out) {
+  if (known.sig >= 0) return;
+  const Columns& c = *g->nodes;
+  const i64 node = out->id;
+  if (c.no_grad[node]) return;
+  Owned fast{PyObject_GetAttr(known.plan, s_fast)};
+  PyObject* shared_at = PyTuple_GET_ITEM(fast.get(), 5);
+  const i64 first = c.arg_ptr[node];
+  const std::int32_t parameter_code = op_code(g_parameter_op);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shared_at); ++i) {
+    const i64 at = PyLong_AsLongLong(PyTuple_GET_ITEM(shared_at, i));
+    if (c.op[c.arg_flat[first + at]] != parameter_code) return;
+  }
+  PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
+  known.op = c.op[node];
+  known.shape = c.shape[node];
+  known.attr = Py_XNewRef((*g->attrs)[node]);
+  known.own_dtype = dtype != graph_fixed_dtype(g) ? Py_NewRef(dtype) : nullptr;
+  known.sig = c.sig[node];
+}
+
+// The node of a known form's call over `nodes` (grad mode on), as its plan would append it.
+PyObject* append_known(Store* g, const PlannedCall& known, const i64* nodes, std::size_t n) {
+  PyObject* out = flybatch::append(g, known.op, nodes, n, known.shape, known.sig,
+                         known.attr ? known.attr : Py_None, /*no_grad=*/false);
+  if (known.own_dtype) {
+    Owned held{out};
+    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out)->id)};
+    if (PyDict_SetItem(graph_node_dtypes(g), id.get(), known.own_dtype) < 0) throw PythonError{};
+    return held.release();
+  }
+  return out;
 }
 
 // The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
@@ -1009,33 +1062,39 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
   }
   PyObject* handler = PyTuple_GET_ITEM(entry, 0);
   PyObject* graph = reinterpret_cast<PyObject*>(g);
-  if (form.known && form.describe(graph, g)) {
-    const auto found = g->call_plans->find(form.text);
+  if (form.known && form.describe(g)) {
+    const auto found = g->call_plans->find(form.key());
     if (found != g->call_plans->end()) {
       check_open(g);  // (take_apart's check)
-      PyObject* plan = found->second;
-      if (Py_TYPE(plan) != reinterpret_cast<PyTypeObject*>(g_plan_type))
-        return apply_recipe(Owned{Py_NewRef(plan)}.get(), args);
-      Owned node_dtypes{PyObject_GetAttr(graph, s_node_dtypes)};
-      if (!PyDict_Check(node_dtypes.get()))
-        raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
-      Owned nodes{PyTuple_New(static_cast<Py_ssize_t>(form.nodes.size()))};
+      PlannedCall& known = *found->second;
+      if (!known.is_plan) return apply_recipe(Owned{Py_NewRef(known.plan)}.get(), args);
+      PyObject* node_dtypes = graph_node_dtypes(g);
+      InlineBuffer<i64, 8> nodes;
       std::size_t next_index = 0;
-      for (std::size_t k = 0; k < form.nodes.size(); ++k) {
-        const i64 node = form.nodes[k] == kDeferredNode
-                             ? add_index_input(graph, node_dtypes.get(), indices[next_index++])
-                             : form.nodes[k];
-        PyTuple_SET_ITEM(nodes.get(), k, checked(PyLong_FromLongLong(node)));
-      }
-      return append_planned(graph, plan, nodes.get(), node_dtypes.get());
+      for (std::size_t k = 0; k < form.nodes.size(); ++k)
+        nodes.push_back(form.nodes[k] == kDeferredNode
+                            ? add_index_input(graph, node_dtypes, indices[next_index++])
+                            : form.nodes[k]);
+      if (known.sig >= 0 && grad_enabled())  // the node as the plan made it the first time
+        return append_known(g, known, nodes.data(), nodes.size());
+      Owned tuple{PyTuple_New(static_cast<Py_ssize_t>(nodes.size()))};
+      for (std::size_t k = 0; k < nodes.size(); ++k)
+        PyTuple_SET_ITEM(tuple.get(), k, checked(PyLong_FromLongLong(nodes[k])));
+      Owned out{append_planned(graph, known.plan, tuple.get(), node_dtypes)};
+      learn_node(g, known, reinterpret_cast<Expression*>(out.get()));
+      return out.release();
     }
   }
   PyObject* call[5] = {Py_None, args, kwargs, PyTuple_GET_ITEM(entry, 1), handler};
   PyObject* plan = nullptr;  // set (a new reference) when take_apart appended by a _Plan
   Owned out{take_apart_call(call, 5, &plan, /*defer=*/true)};
   auto keep = [&](PyObject* found) {  // the form's plan or recipe, for the next call
-    if (form.known && form.ready && g->call_plans->emplace(form.text, found).second)
-      Py_INCREF(found);
+    if (!form.known || !form.ready) return;
+    auto planned = std::make_unique<PlannedCall>();
+    planned->form.assign(form.text.data(), form.text.size());
+    planned->plan = Py_NewRef(found);
+    planned->is_plan = Py_TYPE(found) == reinterpret_cast<PyTypeObject*>(g_plan_type);
+    if (g->call_plans->emplace(planned->form, planned.get()).second) planned.release();
   };
   if (plan) {
     Owned held{plan};
@@ -1231,7 +1290,7 @@ PyObject* embedding_row(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
   Owned held{graph};
   if (!PyObject_TypeCheck(graph, &StoreType) || reinterpret_cast<Store*>(graph)->closed ||
-      truth(Owned{PyObject_GetAttr(graph, s_shadows)}.get()))
+      graph_has_shadows(reinterpret_cast<Store*>(graph)))
     return nullptr;
   if (!truth(Owned{PyObject_GetAttr(table, s_requires_grad)}.get()) ||
       !truth(Owned{PyObject_GetAttr(table, s_is_leaf)}.get()) ||
@@ -1284,8 +1343,7 @@ PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs
   PyObject* first = PySequence_Fast_GET_ITEM(tensors, 0);
   if (Py_TYPE(first) != reinterpret_cast<PyTypeObject*>(g_expression_type)) return nullptr;
   Store* g = reinterpret_cast<Expression*>(first)->graph;
-  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(g), s_node_dtypes)};
-  if (!PyDict_Check(node_dtypes.get())) return nullptr;
+  Owned node_dtypes{Py_NewRef(graph_node_dtypes(g))};
   Owned list{PyList_New(PySequence_Fast_GET_SIZE(tensors))};
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(tensors); ++i) {
     PyObject* x = PySequence_Fast_GET_ITEM(tensors, i);
@@ -1621,9 +1679,7 @@ PyObject* capture_mode_call(PyObject* mode, PyObject* func, PyObject* types, PyO
 
 bool register_capture(PyObject* module) {
   s_shadows = PyUnicode_InternFromString("shadows");
-  s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
   s_dtype = PyUnicode_InternFromString("dtype");
-  s_fixed_dtype = PyUnicode_InternFromString("_dtype");
   s_hash = PyUnicode_InternFromString("#");
   s_open_tuple = PyUnicode_InternFromString("(");
   s_open_list = PyUnicode_InternFromString("[");
@@ -1647,7 +1703,6 @@ bool register_capture(PyObject* module) {
   s_write_through = PyUnicode_InternFromString("write_through");
   s_dunder = PyUnicode_InternFromString("__");
   s_is_cpu = PyUnicode_InternFromString("is_cpu");
-  s_node_dtypes_attr = PyUnicode_InternFromString("node_dtypes");
   s_shape_attr = PyUnicode_InternFromString("shape");
   s_index_input = PyUnicode_InternFromString("index input");
   s_ignore_index = PyUnicode_InternFromString("ignore_index");
@@ -1680,10 +1735,10 @@ bool register_capture(PyObject* module) {
       !s_norm_type || !s_scale_grad_by_freq || !s_sparse)
     return false;
   return s_item && s_apply && s_device && s_dim && s_kind && s_plans && g_dim_name && g_one_element && s_leaf_nodes && s_view &&
-         s_tuple && s_ndim && s_is_floating_point && s_node_dtypes_attr && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+         s_tuple && s_ndim && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&
          s_write_through && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
-         s_node_dtypes && s_dtype && s_fixed_dtype && s_hash && s_open_tuple && s_open_list &&
+         s_dtype && s_hash && s_open_tuple && s_open_list &&
          s_close && s_bar &&
          PyModule_AddFunctions(module, kCaptureMethods) == 0;
 }

@@ -65,7 +65,6 @@ namespace {
 
 PyObject* s_operand = nullptr;  // "_operand"
 PyObject* s_lookup_tag = nullptr;
-PyObject* s_node_dtypes = nullptr;  // "node_dtypes"
 // Attribute names read per op call, interned once (a name built per read costs more than the
 // read's dict lookup).
 PyObject* s_requires_grad = nullptr;
@@ -825,10 +824,8 @@ PyTypeObject RuleType = [] {
 bool of_other_dtype(PyObject* x) {
   if (!is_expression(x)) return false;
   Expression* e = as_expression(x);
-  PyObject* dtypes = PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes);
-  if (!dtypes) throw PythonError{};
-  Release dtypes_ref{dtypes};
-  if (!PyDict_Check(dtypes) || !PyDict_GET_SIZE(dtypes)) return false;
+  PyObject* dtypes = graph_node_dtypes(e->graph);  // borrowed
+  if (!PyDict_GET_SIZE(dtypes)) return false;
   PyObject* id = PyLong_FromLongLong(expression_node(e));
   if (!id) throw PythonError{};
   Release id_ref{id};
@@ -1055,10 +1052,9 @@ PyMappingMethods expression_mapping = [] {
 bool register_rules(PyObject* module) {
   s_operand = PyUnicode_InternFromString("_operand");
   s_lookup_tag = PyUnicode_InternFromString("_lookup_tag");
-  s_node_dtypes = PyUnicode_InternFromString("node_dtypes");
   s_requires_grad = PyUnicode_InternFromString("requires_grad");
   s_shape = PyUnicode_InternFromString("shape");
-  return s_operand && s_lookup_tag && s_node_dtypes && s_requires_grad && s_shape && PyType_Ready(&RuleType) == 0 &&
+  return s_operand && s_lookup_tag && s_requires_grad && s_shape && PyType_Ready(&RuleType) == 0 &&
          PyModule_AddObjectRef(module, "Rule", reinterpret_cast<PyObject*>(&RuleType)) == 0 &&
          PyModule_AddFunctions(module, kRuleFunctions) == 0;
 }

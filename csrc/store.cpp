@@ -220,6 +220,18 @@ void check_open(const Store* s) {
     raise(g_graph_error, "this graph is closed; create a new one (fb.Graph() / fb.new_graph())");
 }
 
+PyObject* graph_node_dtypes(Store* s) {
+  if (!s->node_dtypes || !PyDict_Check(s->node_dtypes))
+    raise(PyExc_TypeError, "graph.node_dtypes must be a dict");
+  return s->node_dtypes;
+}
+
+bool graph_has_shadows(Store* s) {
+  if (!s->shadows || !PyDict_Check(s->shadows))
+    raise(PyExc_TypeError, "graph.shadows must be a dict");
+  return PyDict_GET_SIZE(s->shadows) != 0;
+}
+
 std::int32_t op_code(PyObject* op) {
   const auto found = g_op_codes.find(op);
   if (found != g_op_codes.end()) return found->second;
@@ -375,14 +387,17 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->parameters = new std::unordered_map<PyObject*, i64>();
     s->table_shapes = new std::unordered_map<PyObject*, std::pair<i64, i64>>();
     for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
-    s->call_plans = new std::unordered_map<std::string, PyObject*>();
+    s->call_plans = new std::unordered_map<std::string_view, PlannedCall*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
   }
   s->sig_ids = PyDict_New();
   s->sig_keys = PyList_New(0);
-  if (!s->sig_ids || !s->sig_keys) {
+  s->fixed_dtype = Py_NewRef(Py_None);
+  s->node_dtypes = PyDict_New();
+  s->shadows = PyDict_New();
+  if (!s->sig_ids || !s->sig_keys || !s->node_dtypes || !s->shadows) {
     Py_DECREF(s);
     return nullptr;
   }
@@ -410,9 +425,9 @@ void clear_caches(Store* s) {
     for (auto& [table, tag] : tags) Py_DECREF(tag);
   }
   if (s->call_plans) {
-    std::unordered_map<std::string, PyObject*> plans;
+    std::unordered_map<std::string_view, PlannedCall*> plans;
     plans.swap(*s->call_plans);
-    for (auto& [form, plan] : plans) Py_DECREF(plan);
+    for (auto& [form, planned] : plans) delete planned;
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
@@ -430,6 +445,9 @@ int store_traverse(PyObject* self, visitproc visit, void* arg) {
   if (s->attrs)
     for (PyObject* a : *s->attrs) Py_VISIT(a);
   Py_VISIT(s->origin_hook);
+  Py_VISIT(s->fixed_dtype);
+  Py_VISIT(s->node_dtypes);
+  Py_VISIT(s->shadows);
   return 0;
 }
 
@@ -438,6 +456,9 @@ int store_clear(PyObject* self) {
   clear_attrs(s);
   clear_caches(s);
   Py_CLEAR(s->origin_hook);
+  Py_CLEAR(s->fixed_dtype);
+  Py_CLEAR(s->node_dtypes);
+  Py_CLEAR(s->shadows);
   return 0;
 }
 
@@ -863,6 +884,16 @@ int set_origin_hook(PyObject* self, PyObject* value, void*) {
   return 0;
 }
 
+PyMemberDef kStoreMembers[] = {
+    {"_dtype", T_OBJECT, offsetof(Store, fixed_dtype), 0,
+     "the graph's floating dtype once fixed (Graph.dtype), else None"},
+    {"node_dtypes", T_OBJECT_EX, offsetof(Store, node_dtypes), 0,
+     "dict: node -> dtype, for the nodes not of the graph's floating dtype"},
+    {"shadows", T_OBJECT_EX, offsetof(Store, shadows), 0,
+     "dict: id -> (plain tensor written with an expression, that expression)"},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
 PyGetSetDef kStoreGetSet[] = {
     {"n_nodes", get_n_nodes, nullptr, "nodes in the store", nullptr},
     {"n_done", get_n_done, set_n_done, "nodes computed by earlier forwards (ids below it)",
@@ -1143,6 +1174,7 @@ PyTypeObject StoreType = [] {
   t.tp_traverse = store_traverse;
   t.tp_clear = store_clear;
   t.tp_methods = kStoreMethods;
+  t.tp_members = kStoreMembers;
   t.tp_getset = kStoreGetSet;
   t.tp_new = store_new;
   return t;

@@ -13,6 +13,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -197,6 +198,8 @@ struct Columns {
   Column<std::int32_t> batch_size{"i"};  // one entry per batch, not per node: its rows
 };
 
+struct PlannedCall;
+
 struct Store {
   PyObject_HEAD
   Columns* nodes;
@@ -225,10 +228,44 @@ struct Store {
   std::unordered_map<PyObject*, PyObject*>* lookup_attrs[2];  // table -> (table, sparse, ())
   // capture.cpp: the plan (a capture.direct._Plan) of a planned torch call by the call's form in
   // this graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
-  std::unordered_map<std::string, PyObject*>* call_plans;
+  std::unordered_map<std::string_view, PlannedCall*>* call_plans;
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
+  // Graph state the capture reads at every recorded call, held here so that C reads it without
+  // an attribute lookup; Python sees them as the graph's attributes `_dtype` (None until the
+  // graph's floating dtype is fixed), `node_dtypes` and `shadows` (graph.py says what they hold).
+  PyObject* fixed_dtype;
+  PyObject* node_dtypes;
+  PyObject* shadows;
 };
+
+// The plan of a planned torch call's form (capture.cpp's `planned`), and what a later call of
+// that form appends without asking the plan: the node the plan made the first time, but over
+// the call's operand nodes. `sig` is -1 until known (or where it is not the same for every call
+// of the form: a shared operand that is no parameter, a node written under no_grad).
+struct PlannedCall {
+  std::string form;                  // the key's bytes (the map's string_view points here)
+  PyObject* plan = nullptr;          // a capture.direct._Plan, or a recipe (owned)
+  bool is_plan = false;
+  std::int32_t op = 0, shape = 0;
+  i64 sig = -1;
+  PyObject* attr = nullptr;          // the node's kernel attr (owned; NULL for none)
+  PyObject* own_dtype = nullptr;     // the node's dtype where not the graph's (owned; or NULL)
+  ~PlannedCall() {
+    Py_XDECREF(plan);
+    Py_XDECREF(attr);
+    Py_XDECREF(own_dtype);
+  }
+};
+
+// The store's `node_dtypes` dict and whether `shadows` holds any (borrowed; TypeError where
+// Python rebound them to something else).
+PyObject* graph_node_dtypes(Store* s);
+bool graph_has_shadows(Store* s);
+// The graph's floating dtype once fixed, else None (borrowed).
+inline PyObject* graph_fixed_dtype(const Store* s) {
+  return s->fixed_dtype ? s->fixed_dtype : Py_None;
+}
 
 struct Expression {
   PyObject_HEAD

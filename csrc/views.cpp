@@ -44,7 +44,6 @@ PyObject* s_dtype_name = nullptr;       // "dtype"
 PyObject* s_shape_name = nullptr;       // "shape"
 PyObject* s_is_cpu_name = nullptr;      // "is_cpu"
 PyObject* s_item_name = nullptr;        // "item"
-PyObject* s_node_dtypes_name = nullptr; // "node_dtypes"
 
 bool is_handle(PyObject* x) {
   return g_expression_type && Py_TYPE(x) == reinterpret_cast<PyTypeObject*>(g_expression_type);
@@ -206,10 +205,8 @@ PyObject* one_class_loss(PyObject* args, PyObject* kwargs) {
       label >= dims[1])
     return nullptr;
   // the fb op computes in the graph's floating dtype: a node of another is the handler's
-  Owned node_dtypes{PyObject_GetAttr(reinterpret_cast<PyObject*>(e->graph), s_node_dtypes_name)};
   Owned id{PyLong_FromLongLong(e->id)};
-  const int other_dtype = PyDict_Check(node_dtypes.get())
-                              ? PyDict_Contains(node_dtypes.get(), id.get()) : 1;
+  const int other_dtype = PyDict_Contains(graph_node_dtypes(e->graph), id.get());
   if (other_dtype < 0) throw PythonError{};
   if (other_dtype) return nullptr;
   Owned node{new_expression(e->graph, e->id)};
@@ -342,7 +339,7 @@ bool register_views(PyObject* module) {
                         {&s_sum, "sum"},             {&s_mean, "mean"},
                         {&s_none, "none"},           {&s_dtype_name, "dtype"},
                         {&s_shape_name, "shape"},    {&s_is_cpu_name, "is_cpu"},
-                        {&s_item_name, "item"},      {&s_node_dtypes_name, "node_dtypes"}};
+                        {&s_item_name, "item"}};
   for (const Name& n : names)
     if (!(*n.slot = PyUnicode_InternFromString(n.text))) return false;
   return PyModule_AddFunctions(module, kViewMethods) == 0;
