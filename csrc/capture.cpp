@@ -15,6 +15,7 @@
 // With a handler, the call's plan (capture.direct._PLANS, keyed by handler, key, operands, params)
 // is looked up in the same pass: a `_Plan` appends its node here (`append_planned`), anything else
 // stored there (NotImplemented, a recipe the handler applies itself) is returned as it is.
+#include "rules.h"
 #include "store.h"
 
 #include <cstring>
@@ -141,11 +142,23 @@ bool index_value(PyObject* x, IndexValue& out) {  // false: not an index input
 }
 
 i64 add_index_input(PyObject* graph, PyObject* node_dtypes, const IndexValue& v) {
-  Owned key{PyTuple_Pack(3, s_index_input, v.shape, v.dtype)};
-  PyObject* add_args[7] = {graph, g_index_input_op, g_no_args, v.shape, key.get(), Py_None,
-                           v.value};
-  Owned out{
-      PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr)};
+  Store* g = reinterpret_cast<Store*>(graph);
+  check_open(g);
+  SmallInts<8> dims;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.shape); ++i)
+    dims.push(PyLong_AsLongLong(PyTuple_GET_ITEM(v.shape, i)));
+  const i64 value = PyLong_AsLongLong(v.value);
+  if (PyErr_Occurred()) throw PythonError{};
+  const std::int32_t op = op_code(g_index_input_op);
+  const std::int32_t shape = intern_shape(g, dims.data(), dims.size());
+  Key key;  // (the signature Graph.input_node gives it: its shape and dtype)
+  key.push(op);
+  key.push(shape);
+  key.push(reinterpret_cast<i64>(v.dtype));
+  const i64 sig = signature(g, key, /*no_grad=*/false, [&] {
+    return checked(PyTuple_Pack(3, s_index_input, v.shape, v.dtype));
+  });
+  Owned out{flybatch::append(g, op, nullptr, 0, shape, sig, Py_None, /*no_grad=*/false, value)};
   const i64 node = reinterpret_cast<Expression*>(out.get())->id;
   Owned id{PyLong_FromLongLong(node)};
   if (PyDict_SetItem(node_dtypes, id.get(), v.dtype) < 0) throw PythonError{};
@@ -295,13 +308,32 @@ bool in_weights(PyObject* weights, PyObject* which) {
   return found;
 }
 
-// The node of a call by its handler's plan: `plan.fast` is (head, op, shape, dtype, attr,
-// shared_at); the signature is the tuple `head` followed by the nodes of the shared operands.
-PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
+// The node of a call by its handler's plan over operand nodes `nodes`: `plan.fast` is (head,
+// op, shape, dtype, attr, shared_at); the signature is the tuple `head` followed by the nodes of
+// the shared operands. The first node of a plan in a graph is appended so; later ones, as that
+// one was (LearntPlan), without the plan's tuple or a Python signature key (grad mode on).
+PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t n,
                          PyObject* node_dtypes) {
+  check_open(g);
+  const bool grad = grad_enabled();
+  auto learnt = g->learnt_plans->find(plan);
+  if (grad && learnt != g->learnt_plans->end()) {
+    const LearntPlan& known = *learnt->second;
+    bool same = true;
+    for (const auto& [at, node] : known.shared) same = same && at < n && nodes[at] == node;
+    if (same) {
+      Owned out{flybatch::append(g, known.op, nodes, n, known.shape, known.sig,
+                                 known.attr ? known.attr : Py_None, /*no_grad=*/false)};
+      if (known.own_dtype) {
+        Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
+        if (PyDict_SetItem(node_dtypes, id.get(), known.own_dtype) < 0) throw PythonError{};
+      }
+      return out.release();
+    }
+  }
   Owned fast{PyObject_GetAttr(plan, s_fast)};
   if (!PyTuple_Check(fast.get()) || PyTuple_GET_SIZE(fast.get()) != 6 ||
-      !PyTuple_Check(PyTuple_GET_ITEM(fast.get(), 0)) || !PyTuple_Check(nodes))
+      !PyTuple_Check(PyTuple_GET_ITEM(fast.get(), 0)))
     raise(PyExc_TypeError, "append_planned: plan.fast must be a 6-tuple (head: a tuple)");
   PyObject* head = PyTuple_GET_ITEM(fast.get(), 0);
   const Py_ssize_t n_head = PyTuple_GET_SIZE(head);
@@ -310,12 +342,18 @@ PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
   Owned sig{PyTuple_New(n_head + n_shared)};
   for (Py_ssize_t i = 0; i < n_head; ++i)
     PyTuple_SET_ITEM(sig.get(), i, Py_NewRef(PyTuple_GET_ITEM(head, i)));
+  std::vector<std::pair<std::size_t, i64>> shared;
   for (Py_ssize_t i = 0; i < n_shared; ++i) {
     const Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(shared_at, i));
-    if (at < 0 || at >= PyTuple_GET_SIZE(nodes)) raise(PyExc_IndexError, "plan.shared_at");
-    PyTuple_SET_ITEM(sig.get(), n_head + i, Py_NewRef(PyTuple_GET_ITEM(nodes, at)));
+    if (at < 0 || static_cast<std::size_t>(at) >= n) raise(PyExc_IndexError, "plan.shared_at");
+    shared.emplace_back(at, nodes[at]);
+    PyTuple_SET_ITEM(sig.get(), n_head + i, checked(PyLong_FromLongLong(nodes[at])));
   }
-  PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.get(), 1), nodes,
+  Owned args{PyTuple_New(static_cast<Py_ssize_t>(n))};
+  for (std::size_t k = 0; k < n; ++k)
+    PyTuple_SET_ITEM(args.get(), k, checked(PyLong_FromLongLong(nodes[k])));
+  PyObject* graph = reinterpret_cast<PyObject*>(g);
+  PyObject* add_args[6] = {graph, PyTuple_GET_ITEM(fast.get(), 1), args.get(),
                            PyTuple_GET_ITEM(fast.get(), 2),
                            sig.get(), PyTuple_GET_ITEM(fast.get(), 4)};
   Owned out{
@@ -323,11 +361,42 @@ PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
   // Outputs not of the graph's floating dtype (indices, masks) are recorded per node.
   PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
   Owned fixed{graph_dtype(graph)};
+  const i64 node = reinterpret_cast<Expression*>(out.get())->id;
   if (dtype != fixed.get()) {
-    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
+    Owned id{PyLong_FromLongLong(node)};
     if (PyDict_SetItem(node_dtypes, id.get(), dtype) < 0) throw PythonError{};
   }
+  // Learnt once the graph's dtype is fixed (a node's "own" dtype is relative to it).
+  const Columns& c = *g->nodes;
+  if (learnt == g->learnt_plans->end() && !c.no_grad[node] &&
+      graph_fixed_dtype(g) != Py_None) {
+    auto known = std::make_unique<LearntPlan>();
+    known->op = c.op[node];
+    known->shape = c.shape[node];
+    known->sig = c.sig[node];
+    known->attr = Py_XNewRef((*g->attrs)[node]);
+    known->own_dtype = dtype != fixed.get() ? Py_NewRef(dtype) : nullptr;
+    known->shared = std::move(shared);
+    known->plan = Py_NewRef(plan);
+    g->learnt_plans->emplace(plan, known.release());
+  }
   return out.release();
+}
+
+PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
+                         PyObject* node_dtypes) {
+  if (!PyTuple_Check(nodes)) raise(PyExc_TypeError, "append_planned: nodes must be a tuple");
+  SmallInts<8> ids;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(nodes); ++k) {
+    const i64 id = PyLong_AsLongLong(PyTuple_GET_ITEM(nodes, k));
+    if (id == -1 && PyErr_Occurred()) throw PythonError{};
+    if (id < 0 || id >= n_nodes(reinterpret_cast<Store*>(graph)))
+      raise(PyExc_IndexError, "append_planned: node %lld is not in this graph",
+            static_cast<long long>(id));
+    ids.push(id);
+  }
+  return append_planned(reinterpret_cast<Store*>(graph), plan, ids.data(), ids.size(),
+                        node_dtypes);
 }
 
 const char kAppendPlannedDoc[] =
@@ -817,39 +886,16 @@ constexpr i64 kListForm = -1, kTupleForm = -2, kIntForm = -3, kNodeForm = -4,
               kIndexForm = -5, kNameForm = -6, kNoneForm = -7, kBoolForm = -8, kFloatForm = -9,
               kTextForm = -10;
 
-// A few values on the stack, more on the heap: a form is built per recorded call, and a heap
-// allocation there costs as much as a dict lookup.
-template <typename T, std::size_t kInline>
-class InlineBuffer {
- public:
-  void append(const T* values, std::size_t n) {
-    if (heap_.empty() && size_ + n <= kInline) {
-      std::copy(values, values + n, inline_ + size_);
-    } else {
-      if (heap_.empty()) heap_.assign(inline_, inline_ + size_);
-      heap_.insert(heap_.end(), values, values + n);
-    }
-    size_ += n;
-  }
-  void push_back(const T& value) { append(&value, 1); }
-  const T* data() const { return heap_.empty() ? inline_ : heap_.data(); }
-  std::size_t size() const { return size_; }
-  const T& operator[](std::size_t i) const { return data()[i]; }
-
- private:
-  T inline_[kInline];
-  std::vector<T> heap_;
-  std::size_t size_ = 0;
-};
-
 struct CallForm {
-  InlineBuffer<char, 256> text;
-  InlineBuffer<i64, 8> nodes;  // the operand nodes, in take_apart's order
+  SmallInts<40> text;      // the form: ints, a text's bytes packed 8 to an int
+  SmallInts<8> nodes;      // the operand nodes, in take_apart's order
   bool known = true;       // every argument of a kind spelled out here
   bool ready = false;      // `describe` found the graph's dtype fixed
 
-  std::string_view key() const { return {text.data(), text.size()}; }
-  void add(i64 v) { text.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  std::string_view key() const {
+    return {reinterpret_cast<const char*>(text.data()), text.size() * sizeof(i64)};
+  }
+  void add(i64 v) { text.push(v); }
   void add(i64 a, i64 b) { add(a); add(b); }
   void add_int(PyObject* v) {
     int overflow = 0;
@@ -861,14 +907,18 @@ struct CallForm {
   void add_node(i64 node) {  // -1: of another graph (take_apart raises)
     if (node < 0) known = false;
     add(kNodeForm);
-    nodes.push_back(node);
+    nodes.push(node);
   }
   void add_text(i64 kind, PyObject* text) {  // a keyword's name, a str constant
     Py_ssize_t size = 0;
     const char* utf8 = PyUnicode_AsUTF8AndSize(text, &size);
     if (!utf8) throw PythonError{};
     add(kind, size);
-    this->text.append(utf8, static_cast<std::size_t>(size));
+    for (Py_ssize_t at = 0; at < size; at += sizeof(i64)) {
+      i64 word = 0;
+      std::memcpy(&word, utf8 + at, std::min<std::size_t>(sizeof word, size - at));
+      add(word);
+    }
   }
   // A keyword's value: false where it is of a kind not spelled out (the handler decides).
   bool add_constant(PyObject* v) {
@@ -946,45 +996,6 @@ bool class_in_range(Store* g, const Expression* x, PyObject* value, PyObject* kw
   return !overflow && (v == ignore || (0 <= v && v < classes));
 }
 
-// What a form's later calls append without the plan (PlannedCall): learnt from the node its
-// plan appended, where every call of the form makes the same node but for its inputs. Its
-// signature is the plan's head and the nodes of its shared operands, the same for every call
-// of the form only where they are parameters (whose nodes the form spells out); a node written
-// under no_grad has a signature of its own.
-void learn_node(Store* g, PlannedCall& known, Expression* out) {
-  if (known.sig >= 0) return;
-  const Columns& c = *g->nodes;
-  const i64 node = out->id;
-  if (c.no_grad[node]) return;
-  Owned fast{PyObject_GetAttr(known.plan, s_fast)};
-  PyObject* shared_at = PyTuple_GET_ITEM(fast.get(), 5);
-  const i64 first = c.arg_ptr[node];
-  const std::int32_t parameter_code = op_code(g_parameter_op);
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shared_at); ++i) {
-    const i64 at = PyLong_AsLongLong(PyTuple_GET_ITEM(shared_at, i));
-    if (c.op[c.arg_flat[first + at]] != parameter_code) return;
-  }
-  PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
-  known.op = c.op[node];
-  known.shape = c.shape[node];
-  known.attr = Py_XNewRef((*g->attrs)[node]);
-  known.own_dtype = dtype != graph_fixed_dtype(g) ? Py_NewRef(dtype) : nullptr;
-  known.sig = c.sig[node];
-}
-
-// The node of a known form's call over `nodes` (grad mode on), as its plan would append it.
-PyObject* append_known(Store* g, const PlannedCall& known, const i64* nodes, std::size_t n) {
-  PyObject* out = flybatch::append(g, known.op, nodes, n, known.shape, known.sig,
-                         known.attr ? known.attr : Py_None, /*no_grad=*/false);
-  if (known.own_dtype) {
-    Owned held{out};
-    Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out)->id)};
-    if (PyDict_SetItem(graph_node_dtypes(g), id.get(), known.own_dtype) < 0) throw PythonError{};
-    return held.release();
-  }
-  return out;
-}
-
 // The call of a handler that only looks its plan up (capture._PLANNED: F.linear, the reshapes,
 // chunk / split, the class losses), taken by that plan without the handler's Python frames
 // (~7k F.linear calls per Tree-LSTM minibatch): a node, or a recipe's result. Only a call the
@@ -1044,7 +1055,7 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
         return nullptr;
       form.add(kIndexForm, PyTuple_GET_SIZE(v.shape));
       form.add(reinterpret_cast<i64>(v.dtype));
-      form.nodes.push_back(kDeferredNode);
+      form.nodes.push(kDeferredNode);
       indices.push_back(std::move(v));
     } else if (PyLong_CheckExact(x)) {
       form.add(kIntForm);
@@ -1069,20 +1080,13 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
       PlannedCall& known = *found->second;
       if (!known.is_plan) return apply_recipe(Owned{Py_NewRef(known.plan)}.get(), args);
       PyObject* node_dtypes = graph_node_dtypes(g);
-      InlineBuffer<i64, 8> nodes;
+      SmallInts<8> nodes;
       std::size_t next_index = 0;
       for (std::size_t k = 0; k < form.nodes.size(); ++k)
-        nodes.push_back(form.nodes[k] == kDeferredNode
+        nodes.push(form.nodes[k] == kDeferredNode
                             ? add_index_input(graph, node_dtypes, indices[next_index++])
                             : form.nodes[k]);
-      if (known.sig >= 0 && grad_enabled())  // the node as the plan made it the first time
-        return append_known(g, known, nodes.data(), nodes.size());
-      Owned tuple{PyTuple_New(static_cast<Py_ssize_t>(nodes.size()))};
-      for (std::size_t k = 0; k < nodes.size(); ++k)
-        PyTuple_SET_ITEM(tuple.get(), k, checked(PyLong_FromLongLong(nodes[k])));
-      Owned out{append_planned(graph, known.plan, tuple.get(), node_dtypes)};
-      learn_node(g, known, reinterpret_cast<Expression*>(out.get()));
-      return out.release();
+      return append_planned(g, known.plan, nodes.data(), nodes.size(), node_dtypes);
     }
   }
   PyObject* call[5] = {Py_None, args, kwargs, PyTuple_GET_ITEM(entry, 1), handler};
@@ -1091,7 +1095,7 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
   auto keep = [&](PyObject* found) {  // the form's plan or recipe, for the next call
     if (!form.known || !form.ready) return;
     auto planned = std::make_unique<PlannedCall>();
-    planned->form.assign(form.text.data(), form.text.size());
+    planned->form.assign(form.key());
     planned->plan = Py_NewRef(found);
     planned->is_plan = Py_TYPE(found) == reinterpret_cast<PyTypeObject*>(g_plan_type);
     if (g->call_plans->emplace(planned->form, planned.get()).second) planned.release();

@@ -26,25 +26,7 @@ struct Release {  // drops a reference at the end of a scope
 };
 
 // The key of a signature as ints, without allocating for the usual few.
-class Key {
- public:
-  void push(i64 x) {
-    if (n_ < kSmall) small_[n_] = x;
-    else {
-      if (n_ == kSmall) big_.assign(small_, small_ + kSmall);
-      big_.push_back(x);
-    }
-    ++n_;
-  }
-  const i64* data() const { return n_ <= kSmall ? small_ : big_.data(); }
-  std::size_t size() const { return n_; }
-
- private:
-  static constexpr std::size_t kSmall = 12;
-  i64 small_[kSmall];
-  std::vector<i64> big_;
-  std::size_t n_ = 0;
-};
+using Key = SmallInts<12>;
 
 // A node's shape as dims (a view into the store's shape table).
 struct Dims {

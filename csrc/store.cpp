@@ -388,6 +388,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->table_shapes = new std::unordered_map<PyObject*, std::pair<i64, i64>>();
     for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
     s->call_plans = new std::unordered_map<std::string_view, PlannedCall*>();
+    s->learnt_plans = new std::unordered_map<PyObject*, LearntPlan*>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -428,6 +429,11 @@ void clear_caches(Store* s) {
     std::unordered_map<std::string_view, PlannedCall*> plans;
     plans.swap(*s->call_plans);
     for (auto& [form, planned] : plans) delete planned;
+  }
+  if (s->learnt_plans) {
+    std::unordered_map<PyObject*, LearntPlan*> learnt;
+    learnt.swap(*s->learnt_plans);
+    for (auto& [plan, node] : learnt) delete node;
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
@@ -484,6 +490,7 @@ void store_dealloc(PyObject* self) {
   delete s->table_shapes;
   for (auto* attrs : s->lookup_attrs) delete attrs;
   delete s->call_plans;
+  delete s->learnt_plans;
   Py_TYPE(self)->tp_free(self);
 }
 

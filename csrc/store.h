@@ -157,6 +157,29 @@ class Column {
   i64 size_ = 0, capacity_ = 0;
 };
 
+// A few ints on the stack, more on the heap (a signature's key, a recorded call's form): built
+// per op call, where a heap allocation costs as much as a dict lookup.
+template <std::size_t kSmall>
+class SmallInts {
+ public:
+  void push(i64 x) {
+    if (n_ < kSmall) small_[n_] = x;
+    else {
+      if (n_ == kSmall) big_.assign(small_, small_ + kSmall);
+      big_.push_back(x);
+    }
+    ++n_;
+  }
+  const i64* data() const { return n_ <= kSmall ? small_ : big_.data(); }
+  std::size_t size() const { return n_; }
+  i64 operator[](std::size_t i) const { return data()[i]; }
+
+ private:
+  i64 small_[kSmall];
+  std::vector<i64> big_;
+  std::size_t n_ = 0;
+};
+
 // Interns sequences of ints (shapes, signature keys) as dense ids 0, 1, 2... Looked up once or
 // more per node created, so the index is open addressing over one array of ids (linear probing,
 // at most half full) rather than a node-based map: a lookup touches one or two cache lines.
@@ -199,6 +222,7 @@ struct Columns {
 };
 
 struct PlannedCall;
+struct LearntPlan;
 
 struct Store {
   PyObject_HEAD
@@ -229,6 +253,7 @@ struct Store {
   // capture.cpp: the plan (a capture.direct._Plan) of a planned torch call by the call's form in
   // this graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
   std::unordered_map<std::string_view, PlannedCall*>* call_plans;
+  std::unordered_map<PyObject*, LearntPlan*>* learnt_plans;  // _Plan -> its node, learnt
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
   // Graph state the capture reads at every recorded call, held here so that C reads it without
@@ -239,19 +264,27 @@ struct Store {
   PyObject* shadows;
 };
 
-// The plan of a planned torch call's form (capture.cpp's `planned`), and what a later call of
-// that form appends without asking the plan: the node the plan made the first time, but over
-// the call's operand nodes. `sig` is -1 until known (or where it is not the same for every call
-// of the form: a shared operand that is no parameter, a node written under no_grad).
+// The plan of a planned torch call's form (capture.cpp's `planned`): a capture.direct._Plan,
+// or a recipe (owned). The map's string_view key points into `form`.
 struct PlannedCall {
-  std::string form;                  // the key's bytes (the map's string_view points here)
-  PyObject* plan = nullptr;          // a capture.direct._Plan, or a recipe (owned)
+  std::string form;
+  PyObject* plan = nullptr;
   bool is_plan = false;
+  ~PlannedCall() { Py_XDECREF(plan); }
+};
+
+// A capture.direct._Plan's node as it appended it the first time in this graph
+// (capture.cpp's `append_planned`): a later node of the plan is the same but for its inputs,
+// where the nodes of its shared operands (parameters, in its signature) are the same too.
+// Not learnt from a node written under no_grad (a signature of its own).
+struct LearntPlan {
+  PyObject* plan = nullptr;          // owned: its address is the key
   std::int32_t op = 0, shape = 0;
-  i64 sig = -1;
+  i64 sig = 0;
   PyObject* attr = nullptr;          // the node's kernel attr (owned; NULL for none)
   PyObject* own_dtype = nullptr;     // the node's dtype where not the graph's (owned; or NULL)
-  ~PlannedCall() {
+  std::vector<std::pair<std::size_t, i64>> shared;  // (operand position, its node)
+  ~LearntPlan() {
     Py_XDECREF(plan);
     Py_XDECREF(attr);
     Py_XDECREF(own_dtype);
