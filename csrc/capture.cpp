@@ -1669,6 +1669,32 @@ PyMethodDef kCaptureMethods[] = {
 
 }  // namespace
 
+// `U_f[0]` inside a graph block: a part of a parameter by an int that the current graph has
+// made its node of (Graph.parameter_view_node, Store.remember_part): that node's handle,
+// without the capture's Python. NULL (no error) for anything else.
+PyObject* known_parameter_part(PyObject* tensor, PyObject* part) {
+  if (!PyLong_CheckExact(part)) return nullptr;
+  return guarded([&]() -> PyObject* {
+    PyObject* graph = nullptr;
+    if (PyContextVar_Get(g_current, Py_None, &graph) < 0) throw PythonError{};
+    Owned held{graph};
+    if (!PyObject_TypeCheck(graph, &StoreType)) return nullptr;
+    Store* g = reinterpret_cast<Store*>(graph);
+    if (g->closed || graph_has_shadows(g)) return nullptr;
+    const auto found = g->parameter_parts->find(tensor);
+    if (found == g->parameter_parts->end()) return nullptr;
+    int overflow = 0;
+    const long long k = PyLong_AsLongLongAndOverflow(part, &overflow);
+    if (overflow || (k == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    for (const auto& [known, node] : found->second)
+      if (known == k) return checked(new_expression(g, node));
+    return nullptr;
+  });
+}
+
 PyObject* record_torch_call(PyObject* func, PyObject* args, PyObject* kwargs) {
   OwnTimeScope own;  // recording a call is flybatch's part of the build
   if (!g_handlers) raise(PyExc_RuntimeError, "torch_call: configure_front() was not called");

@@ -26,6 +26,9 @@ PyObject* capture_mode_call(PyObject* mode, PyObject* func, PyObject* types, PyO
 // capture.cpp: what that mode does with a call that has an expression among its arguments
 // (capture.torch_call: records it; a new reference, or the Python error unwinds).
 PyObject* record_torch_call(PyObject* func, PyObject* args, PyObject* kwargs);
+// capture.cpp: `tensor[part]`'s node where the current graph knows it (a parameter's part by
+// an int, `U_f[0]`), else NULL with no error.
+PyObject* known_parameter_part(PyObject* tensor, PyObject* part);
 
 namespace {
 
@@ -35,6 +38,7 @@ PyObject* g_disabled_impl = nullptr;     // torch._C._disabled_torch_function_im
 PyObject* g_subclasses_on = nullptr;     // torch._C._is_torch_function_enabled
 PyObject* g_pop_mode = nullptr;          // torch._C._pop_torch_function_stack
 PyObject* g_push_mode = nullptr;         // torch._C._push_on_torch_function_stack
+PyObject* g_tensor_getitem = nullptr;    // torch.Tensor.__getitem__
 PyObject* g_no_types = nullptr;          // (): the overloaded types of a call on plain tensors
 PyObject* s_torch_function = nullptr;    // "__torch_function__"
 PyObject* s_self_attr = nullptr;         // "__self__"
@@ -249,6 +253,9 @@ PyObject* shortcut_call(PyObject* self, PyObject* const* args, std::size_t nargs
   return guarded([&]() -> PyObject* {
     if (!capture_innermost()) return checked(PyObject_Vectorcall(func, args, nargsf, kwnames));
     const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (func == g_tensor_getitem && nargs == 2 && !kwnames)  // `U_f[0]`, seen before
+      if (PyObject* part = known_parameter_part(args[0], args[1])) return part;
+    if (PyErr_Occurred()) throw PythonError{};
     const Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
     const bool expression = any_argument(args, n, is_expression);
     if (expression && !any_argument(args, n, is_plain_tensor)) {
@@ -403,6 +410,9 @@ PyObject* configure_dispatch(PyObject*, PyObject* args) {
                         &torch_handle))
     return nullptr;
   Owned torch_c{PyImport_ImportModule("torch._C")};
+  Owned tensor_getitem{PyObject_GetAttrString(g_tensor_type, "__getitem__")};
+  if (!tensor_getitem.get()) return nullptr;
+  Py_XSETREF(g_tensor_getitem, tensor_getitem.release());
   PyObject* found[4] = {};
   const char* names[4] = {"_disabled_torch_function_impl", "_is_torch_function_enabled",
                           "_pop_torch_function_stack", "_push_on_torch_function_stack"};

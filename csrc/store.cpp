@@ -389,6 +389,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     for (auto& attrs : s->lookup_attrs) attrs = new std::unordered_map<PyObject*, PyObject*>();
     s->call_plans = new std::unordered_map<std::string_view, PlannedCall*>();
     s->learnt_plans = new std::unordered_map<PyObject*, LearntPlan*>();
+    s->parameter_parts = new std::unordered_map<PyObject*, std::vector<std::pair<i64, i64>>>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -437,6 +438,7 @@ void clear_caches(Store* s) {
   }
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
+  if (s->parameter_parts) s->parameter_parts->clear();
   if (s->table_shapes) s->table_shapes->clear();
   for (auto* attrs : s->lookup_attrs) {
     if (!attrs) continue;
@@ -491,6 +493,7 @@ void store_dealloc(PyObject* self) {
   for (auto* attrs : s->lookup_attrs) delete attrs;
   delete s->call_plans;
   delete s->learnt_plans;
+  delete s->parameter_parts;
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -809,7 +812,22 @@ PyObject* store_forget(PyObject* self, PyObject* tensor) {
   Store* s = as_store(self);
   if (s->parameters) s->parameters->erase(tensor);
   if (s->table_shapes) s->table_shapes->erase(tensor);
+  if (s->parameter_parts) s->parameter_parts->erase(tensor);
   Py_RETURN_NONE;
+}
+
+// Graph.parameter_view_node's node of `tensor[part]` for an int `part`, for the capture to find
+// without Python (capture.cpp's known_parameter_part); the graph holds the tensor until close.
+PyObject* store_remember_part(PyObject* self, PyObject* args) {
+  PyObject* tensor;
+  long long part, node;
+  if (!PyArg_ParseTuple(args, "OLL:remember_part", &tensor, &part, &node)) return nullptr;
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    if (node < 0 || node >= n_nodes(s)) raise(PyExc_IndexError, "node %lld is not in this graph", node);
+    (*s->parameter_parts)[tensor].emplace_back(part, node);
+    Py_RETURN_NONE;
+  });
 }
 
 PyObject* store_close(PyObject* self, PyObject*) {
@@ -852,6 +870,9 @@ PyMethodDef kStoreMethods[] = {
      METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},
     {"parameter_tag", store_parameter_tag, METH_O,
      "parameter_tag(node): the node's tag if it is a parameter, else None"},
+    {"remember_part", store_remember_part, METH_VARARGS,
+     "remember_part(tensor, part, node): node `node` is `tensor[part]` (an int part of a\n"
+     "parameter, Graph.parameter_view_node), found in C by the next `tensor[part]`"},
     {"forget", store_forget, METH_O,
      "forget(tensor): drop what the rules cached about a tensor (whether it is a parameter,\n"
      "an embedding table's size); the capture mode calls it when requires_grad, .data or the\n"

@@ -254,6 +254,9 @@ struct Store {
   // this graph (its function, operands' shape ids / dtypes / parameter nodes, int constants).
   std::unordered_map<std::string_view, PlannedCall*>* call_plans;
   std::unordered_map<PyObject*, LearntPlan*>* learnt_plans;  // _Plan -> its node, learnt
+  // A constant part of a parameter by an int (`U_f[0]`, Graph.parameter_view_node): tensor ->
+  // (int, node) pairs, trusted as the parameters are (forgotten on a rebind; see `parameters`).
+  std::unordered_map<PyObject*, std::vector<std::pair<i64, i64>>>* parameter_parts;
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
   // Graph state the capture reads at every recorded call, held here so that C reads it without

@@ -457,6 +457,8 @@ class Graph(_core.Store):
             self._leaf_nodes[leaf_key] = node
             self.parameter_nodes.append(node)  # re-read by each forward, as parameters are
             self.set_parameter_tag(node, signatures.tag(self, view))
+            if type(key) is int:  # the next `tensor[key]` is found in C (Store.remember_part)
+                self.remember_part(tensor, key, node)
         return node
 
     def note_row_view(self, node: int, table: torch.Tensor, row: int) -> None:
