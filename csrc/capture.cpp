@@ -62,7 +62,6 @@ PyObject* s_write_through = nullptr;    // "write_through"
 PyObject* s_dunder = nullptr;           // "__"
 PyObject* g_index_input_op = nullptr;   // graph.INDEX_INPUT
 PyObject* g_index_dtypes = nullptr;     // graph._INDEX_DTYPES (a frozenset)
-PyObject* g_no_args = nullptr;          // ()
 PyObject* s_is_cpu = nullptr;           // "is_cpu"
 PyObject* s_shape_attr = nullptr;       // "shape"
 PyObject* s_index_input = nullptr;      // "index input"
@@ -1204,10 +1203,6 @@ PyObject* parameter_view(PyObject* func, PyObject* args, PyObject* kwargs) {
 // enabled, no padding_idx, max_norm or scale_grad_by_freq, the graph writing into no tensor.
 PyObject* g_embedding = nullptr;        // torch.nn.functional.embedding
 PyObject* g_lookup_op = nullptr;        // ops.LOOKUP
-PyObject* g_fb_lookup = nullptr;        // ops.lookup
-PyObject* s_tags = nullptr;             // "tags"
-PyObject* s_lookup_tag_method = nullptr;  // "_lookup_tag"
-PyObject* s_lookup = nullptr;           // "lookup"
 PyObject* s_padding_idx = nullptr;      // "padding_idx"
 PyObject* s_max_norm = nullptr;         // "max_norm"
 PyObject* s_norm_type = nullptr;        // "norm_type"
@@ -1216,39 +1211,39 @@ PyObject* s_sparse = nullptr;           // "sparse"
 
 // The lookup node of `row` of `table` for an index of shape `index_shape` (a tuple): as
 // `fb.lookup` for a 0-d index, else a node of shape `index_shape + (columns,)`.
-PyObject* lookup_rows(PyObject* graph, PyObject* table, PyObject* row, PyObject* index_shape,
-                      bool sparse) {
-  PyObject* sparse_flag = sparse ? Py_True : Py_False;
-  if (PyTuple_GET_SIZE(index_shape) == 0) {
-    PyObject* call[4] = {table, row, sparse_flag, graph};
-    return checked(PyObject_Vectorcall(g_fb_lookup, call, 4, nullptr));
-  }
+// The (rows, cols) of embedding table `table` (a ShapeError where it is no matrix).
+std::pair<i64, i64> table_size(PyObject* table) {
   Owned size{PyObject_GetAttr(table, s_shape_attr)};
   Owned dims{PySequence_Tuple(size.get())};
   if (PyTuple_GET_SIZE(dims.get()) != 2)
     raise(PyExc_TypeError, "F.embedding: the table must be a matrix");
   const long long rows = PyLong_AsLongLong(PyTuple_GET_ITEM(dims.get(), 0));
-  const long long at = PyLong_AsLongLong(row);
-  if ((rows == -1 || at == -1) && PyErr_Occurred()) throw PythonError{};
-  if (!(0 <= at && at < rows))
-    raise(PyExc_IndexError, "F.embedding: index %lld out of range for a table of %lld rows", at,
-          rows);
-  // the table's tag, checked once per graph (Graph._lookup_tag)
-  Owned tags{PyObject_GetAttr(graph, s_tags)};
-  if (!PyDict_Check(tags.get())) raise(PyExc_TypeError, "graph.tags must be a dict");
-  Owned id{PyLong_FromVoidPtr(table)};
-  PyObject* entry = PyDict_GetItemWithError(tags.get(), id.get());  // borrowed
-  if (!entry && PyErr_Occurred()) throw PythonError{};
-  Owned tag{entry ? Py_NewRef(PySequence_Fast_GET_ITEM(entry, 1))
-                  : checked(PyObject_CallMethodOneArg(graph, s_lookup_tag_method, table))};
-  Owned columns{PyTuple_Pack(1, PyTuple_GET_ITEM(dims.get(), 1))};
-  Owned shape{checked(PySequence_Concat(index_shape, columns.get()))};
-  Owned key{PyTuple_Pack(4, s_lookup, tag.get(), sparse_flag, shape.get())};
-  Owned attr{PyTuple_Pack(3, table, sparse_flag, g_no_args)};
-  PyObject* add_args[7] = {graph, g_lookup_op, g_no_args, shape.get(), key.get(), attr.get(),
-                           row};
-  return checked(
-      PyObject_VectorcallMethod(s_add, add_args, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  const long long cols = PyLong_AsLongLong(PyTuple_GET_ITEM(dims.get(), 1));
+  if ((rows == -1 || cols == -1) && PyErr_Occurred()) throw PythonError{};
+  return {rows, cols};
+}
+
+// The lookup node of F.embedding's one-element index of shape `index_dims` holding `row`.
+PyObject* lookup_row(Store* g, PyObject* table, std::pair<i64, i64> size, i64 row,
+                     const i64* index_dims, std::size_t n_index, bool sparse) {
+  if (!(0 <= row && row < size.first))
+    raise(PyExc_IndexError, "F.embedding: index %lld out of range for a table of %lld rows",
+          static_cast<long long>(row), static_cast<long long>(size.first));
+  return lookup_node(g, op_code(g_lookup_op), table, size.second, row, sparse, nullptr,
+                     index_dims, n_index);
+}
+
+PyObject* lookup_rows(PyObject* graph, PyObject* table, PyObject* row, PyObject* index_shape,
+                      bool sparse) {
+  if (!PyObject_TypeCheck(graph, &StoreType))
+    raise(PyExc_TypeError, "lookup_rows: graph must be a flybatch Graph");
+  SmallInts<8> dims;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(index_shape); ++k)
+    dims.push(PyLong_AsLongLong(PyTuple_GET_ITEM(index_shape, k)));
+  const i64 at = PyLong_AsLongLong(row);
+  if (PyErr_Occurred()) throw PythonError{};
+  return lookup_row(reinterpret_cast<Store*>(graph), table, table_size(table), at, dims.data(),
+                    dims.size(), sparse);
 }
 
 const char kLookupRowsDoc[] =
@@ -1296,15 +1291,30 @@ PyObject* embedding_row(PyObject* func, PyObject* args, PyObject* kwargs) {
   if (!PyObject_TypeCheck(graph, &StoreType) || reinterpret_cast<Store*>(graph)->closed ||
       graph_has_shadows(reinterpret_cast<Store*>(graph)))
     return nullptr;
-  if (!truth(Owned{PyObject_GetAttr(table, s_requires_grad)}.get()) ||
-      !truth(Owned{PyObject_GetAttr(table, s_is_leaf)}.get()) ||
-      PyLong_AsLong(Owned{PyObject_GetAttr(table, s_ndim)}.get()) != 2) {
-    if (PyErr_Occurred()) throw PythonError{};
-    return nullptr;
+  // A table met before in this graph is one checked then (forgotten on a rebind).
+  Store* g = reinterpret_cast<Store*>(graph);
+  const auto known = g->embedding_tables->find(table);
+  std::pair<i64, i64> size;
+  if (known != g->embedding_tables->end()) {
+    size = known->second;
+  } else {
+    if (!truth(Owned{PyObject_GetAttr(table, s_requires_grad)}.get()) ||
+        !truth(Owned{PyObject_GetAttr(table, s_is_leaf)}.get()) ||
+        PyLong_AsLong(Owned{PyObject_GetAttr(table, s_ndim)}.get()) != 2) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return nullptr;
+    }
+    size = table_size(table);
   }
   IndexValue v;
   if (!index_value(input, v) || PyTuple_GET_SIZE(v.shape) == 0) return nullptr;
-  return lookup_rows(graph, table, v.value, v.shape, sparse);
+  SmallInts<8> dims;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(v.shape); ++k) dims.push(1);  // (one element)
+  const i64 row = PyLong_AsLongLong(v.value);
+  if (row == -1 && PyErr_Occurred()) throw PythonError{};
+  Owned out{lookup_row(g, table, size, row, dims.data(), dims.size(), sparse)};
+  if (known == g->embedding_tables->end()) g->embedding_tables->emplace(table, size);  // (tagged)
+  return out.release();
 }
 
 // torch.cat (torch.concat, torch.concatenate) of expressions of the graph's floating dtype,
@@ -1625,12 +1635,11 @@ PyObject* configure_front(PyObject*, PyObject* args) {
     Py_XSETREF(g_pieces_type, PyObject_GetAttrString(indexing, "_Pieces"));
     Py_XSETREF(g_concat, PyObject_GetAttrString(fb_ops, "concat"));
     Py_XSETREF(g_lookup_op, PyObject_GetAttrString(fb_ops, "LOOKUP"));
-    Py_XSETREF(g_fb_lookup, PyObject_GetAttrString(fb_ops, "lookup"));
   }
   Py_XDECREF(mappings);
   Py_XDECREF(indexing);
   Py_XDECREF(fb_ops);
-  if (!g_cat_handler || !g_concat || !g_pieces_type || !g_lookup_op || !g_fb_lookup)
+  if (!g_cat_handler || !g_concat || !g_pieces_type || !g_lookup_op)
     return nullptr;
   PyObject* functional = PyImport_ImportModule("torch.nn.functional");
   if (!functional) return nullptr;
@@ -1737,7 +1746,6 @@ bool register_capture(PyObject* module) {
   s_index_input = PyUnicode_InternFromString("index input");
   s_ignore_index = PyUnicode_InternFromString("ignore_index");
   s_item = PyUnicode_InternFromString("item");
-  g_no_args = PyTuple_New(0);
   s_stacklevel = PyUnicode_InternFromString("_stacklevel");
   s_out = PyUnicode_InternFromString("out");
   s_inplace = PyUnicode_InternFromString("inplace");
@@ -1753,19 +1761,16 @@ bool register_capture(PyObject* module) {
   s_ndim = PyUnicode_InternFromString("ndim");
   s_is_floating_point = PyUnicode_InternFromString("is_floating_point");
   g_one_element = Py_BuildValue("(i)", 1);
-  s_tags = PyUnicode_InternFromString("tags");
-  s_lookup_tag_method = PyUnicode_InternFromString("_lookup_tag");
-  s_lookup = PyUnicode_InternFromString("lookup");
   s_padding_idx = PyUnicode_InternFromString("padding_idx");
   s_max_norm = PyUnicode_InternFromString("max_norm");
   s_norm_type = PyUnicode_InternFromString("norm_type");
   s_scale_grad_by_freq = PyUnicode_InternFromString("scale_grad_by_freq");
   s_sparse = PyUnicode_InternFromString("sparse");
-  if (!s_tags || !s_lookup_tag_method || !s_lookup || !s_padding_idx || !s_max_norm ||
+  if (!s_padding_idx || !s_max_norm ||
       !s_norm_type || !s_scale_grad_by_freq || !s_sparse)
     return false;
   return s_item && s_apply && s_device && s_dim && s_kind && s_plans && g_dim_name && g_one_element && s_leaf_nodes && s_view &&
-         s_tuple && s_ndim && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && g_no_args && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
+         s_tuple && s_ndim && s_is_floating_point && s_is_cpu && s_shape_attr && s_index_input && s_stacklevel && s_out && s_inplace && s_name && s_self && s_optimizer_step && s_closed && s_base &&
          s_requires_grad && s_is_leaf && s_shadow_storages && s_untyped_storage && s_data_ptr &&
          s_write_through && s_dunder && s_slice && s_float && s_bool && s_fast && s_add && s_shadows &&
          s_dtype && s_hash && s_open_tuple && s_open_list &&

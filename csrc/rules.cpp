@@ -577,6 +577,17 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
   if (!(0 <= i && i < rows))
     raise(PyExc_IndexError, "lookup: index %lld out of range for a table of %lld rows",
           static_cast<long long>(i), static_cast<long long>(rows));
+  if (known == g->table_shapes->end()) {
+    lookup_tag(g, table);  // (held by the tag)
+    g->table_shapes->emplace(table, table_size);
+  }
+  return lookup_node(g, rule->code, table, cols, i, is_sparse,
+                     options == no_options ? nullptr : options, nullptr, 0);
+}
+
+}  // namespace
+
+PyObject* lookup_tag(Store* g, PyObject* table) {
   check_open(g);
   PyObject*& tag = (*g->table_tags)[table];  // the graph's tags hold the table until close
   if (!tag) {
@@ -586,13 +597,24 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
       throw PythonError{};
     }
   }
-  if (known == g->table_shapes->end()) g->table_shapes->emplace(table, table_size);  // held by tag
-  const std::int32_t shape = intern_shape(g, &cols, 1);
+  return tag;
+}
+
+PyObject* lookup_node(Store* g, std::int32_t op, PyObject* table, i64 cols, i64 row,
+                      bool is_sparse, PyObject* options, const i64* index_dims,
+                      std::size_t n_index) {
+  static PyObject* no_options = PyTuple_New(0);
+  if (!options) options = no_options;
+  PyObject* tag = lookup_tag(g, table);
+  SmallInts<8> dims;
+  for (std::size_t k = 0; k < n_index; ++k) dims.push(index_dims[k]);
+  dims.push(cols);
+  const std::int32_t shape = intern_shape(g, dims.data(), dims.size());
   const bool no_grad = false;  // a leaf: no inputs, so no grad mode of its own
   PyObject* sparse_flag = is_sparse ? Py_True : Py_False;
   auto python_key = [&] {
-    PyObject* head = Py_BuildValue("(sOON)", "lookup", tag, sparse_flag,
-                                   Py_BuildValue("(L)", static_cast<long long>(cols)));
+    PyObject* head = Py_BuildValue("(sOOO)", "lookup", tag, sparse_flag,
+                                   (*g->shape_tuples)[shape]);
     if (!head) throw PythonError{};
     PyObject* full = PySequence_Concat(head, options);
     Py_DECREF(head);
@@ -602,7 +624,7 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
   i64 sig;
   if (options == no_options) {
     Key key;
-    key.push(rule->code);
+    key.push(op);
     key.push(PyLong_AsLongLong(PyTuple_GET_ITEM(tag, 1)));
     key.push(is_sparse);
     key.push(shape);
@@ -626,8 +648,10 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
     throw PythonError{};
   }
   Release attr_ref{attr};
-  return append(g, rule->code, nullptr, 0, shape, sig, attr, no_grad, i);
+  return append(g, op, nullptr, 0, shape, sig, attr, no_grad, row);
 }
+
+namespace {
 
 std::size_t arity(Family family) {
   switch (family) {

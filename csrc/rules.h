@@ -98,6 +98,17 @@ PyObject* shapes_tuple(const Store* g, const i64* nodes, std::size_t n);
 // Raises fb.ShapeError with the message of `format` (PyErr_Format's): the op and the shapes.
 [[noreturn]] void shape_error(const char* format, ...);
 
+// ---- lookups ------------------------------------------------------------------------------------
+// The graph's tag of embedding table `table` (borrowed; made once per graph, which holds the
+// table until close).
+PyObject* lookup_tag(Store* g, PyObject* table);
+// A lookup node: row `row` of `table` (a matrix of `cols` columns; the caller checked the row),
+// of per-instance shape index_dims + (cols,) (F.embedding of a one-element index of that
+// shape; none for fb.lookup's row). `options`: an nn.Embedding's, or NULL.
+PyObject* lookup_node(Store* g, std::int32_t op, PyObject* table, i64 cols, i64 row,
+                      bool is_sparse, PyObject* options, const i64* index_dims,
+                      std::size_t n_index);
+
 // ---- nodes made by a rule ----------------------------------------------------------------------
 // `fb.slice_rows(x, start, stop)`, the node of the Expression operator `x[start:stop]` (a
 // State's `h` and `c` are such slices of its [h; c]). A new reference, or NULL with an

@@ -390,6 +390,7 @@ PyObject* store_new(PyTypeObject* type, PyObject*, PyObject*) {
     s->call_plans = new std::unordered_map<std::string_view, PlannedCall*>();
     s->learnt_plans = new std::unordered_map<PyObject*, LearntPlan*>();
     s->parameter_parts = new std::unordered_map<PyObject*, std::vector<std::pair<i64, i64>>>();
+    s->embedding_tables = new std::unordered_map<PyObject*, std::pair<i64, i64>>();
   } catch (const std::bad_alloc&) {
     Py_DECREF(s);
     return PyErr_NoMemory();
@@ -439,6 +440,7 @@ void clear_caches(Store* s) {
   if (s->scalars) s->scalars->clear();
   if (s->parameters) s->parameters->clear();
   if (s->parameter_parts) s->parameter_parts->clear();
+  if (s->embedding_tables) s->embedding_tables->clear();
   if (s->table_shapes) s->table_shapes->clear();
   for (auto* attrs : s->lookup_attrs) {
     if (!attrs) continue;
@@ -494,6 +496,7 @@ void store_dealloc(PyObject* self) {
   delete s->call_plans;
   delete s->learnt_plans;
   delete s->parameter_parts;
+  delete s->embedding_tables;
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -813,6 +816,7 @@ PyObject* store_forget(PyObject* self, PyObject* tensor) {
   if (s->parameters) s->parameters->erase(tensor);
   if (s->table_shapes) s->table_shapes->erase(tensor);
   if (s->parameter_parts) s->parameter_parts->erase(tensor);
+  if (s->embedding_tables) s->embedding_tables->erase(tensor);
   Py_RETURN_NONE;
 }
 

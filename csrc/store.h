@@ -257,6 +257,9 @@ struct Store {
   // A constant part of a parameter by an int (`U_f[0]`, Graph.parameter_view_node): tensor ->
   // (int, node) pairs, trusted as the parameters are (forgotten on a rebind; see `parameters`).
   std::unordered_map<PyObject*, std::vector<std::pair<i64, i64>>>* parameter_parts;
+  // F.embedding's tables (capture.cpp's embedding_row): table -> (rows, cols), checked once to
+  // be a matrix that requires grad, trusted as the parameters are.
+  std::unordered_map<PyObject*, std::pair<i64, i64>>* embedding_tables;
   i64 n_done;                        // nodes computed by earlier forwards
   int closed;
   // Graph state the capture reads at every recorded call, held here so that C reads it without

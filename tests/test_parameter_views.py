@@ -93,16 +93,3 @@ def test_an_int_index_and_the_same_index_as_a_tuple_are_one_node():
         assert U[True].shape == (1, 2, 3, 3)  # a bool is no int index: torch adds a dim
         torch.testing.assert_close(U[1].value(), U.detach()[1])
 
-
-def test_a_part_met_again_is_the_same_node_until_the_parameter_stops_requiring_grad():
-    U = torch.nn.Parameter(torch.randn(2, 3, 3, dtype=F64))
-    with fb.Graph() as g:
-        first, again, other = U[0], U[0], U[1]
-        assert isinstance(again, fb.Expression) and again.id == first.id != other.id
-        U.requires_grad_(False)  # a plain tensor now: indexing it is eager again
-        plain = U[0]
-        assert not isinstance(plain, fb.Expression)
-        torch.testing.assert_close(plain, U.detach()[0])
-        U.requires_grad_(True)
-        assert U[0].id == first.id  # the graph's one node of that part
-    assert g.closed

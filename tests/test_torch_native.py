@@ -1649,6 +1649,20 @@ def test_an_embedding_of_a_one_element_index_is_a_row_lookup(sparse):
     torch.testing.assert_close(table.grad.to_dense(), want.to_dense(), rtol=0, atol=ATOL)
 
 
+def test_an_embedding_of_a_table_that_stops_requiring_grad_is_eager_again():
+    table = nn.Parameter(torch.randn(6, 5))
+    with fb.Graph():
+        first = F.embedding(torch.tensor([2]), table)
+        assert isinstance(first, fb.Expression)
+        table.requires_grad_(False)
+        plain = F.embedding(torch.tensor([2]), table)
+        table.requires_grad_(True)
+        again = F.embedding(torch.tensor([2]), table)
+    assert type(plain) is torch.Tensor
+    torch.testing.assert_close(plain, table.detach()[2:3], rtol=0, atol=0)
+    assert isinstance(again, fb.Expression)
+
+
 def test_a_row_lookup_is_one_kind_of_node_whichever_path_records_it():
     """The compiled core takes `F.embedding(torch.tensor([word]), E)` itself, the handler takes
     it while the graph writes into a tensor: the same lookup node, so their rows batch."""
