@@ -140,7 +140,7 @@ bool index_value(PyObject* x, IndexValue& out) {  // false: not an index input
   return true;
 }
 
-i64 add_index_input(PyObject* graph, PyObject* node_dtypes, const IndexValue& v) {
+i64 add_index_input(PyObject* graph, const IndexValue& v) {
   Store* g = reinterpret_cast<Store*>(graph);
   check_open(g);
   SmallInts<8> dims;
@@ -159,14 +159,13 @@ i64 add_index_input(PyObject* graph, PyObject* node_dtypes, const IndexValue& v)
   });
   Owned out{flybatch::append(g, op, nullptr, 0, shape, sig, Py_None, /*no_grad=*/false, value)};
   const i64 node = reinterpret_cast<Expression*>(out.get())->id;
-  Owned id{PyLong_FromLongLong(node)};
-  if (PyDict_SetItem(node_dtypes, id.get(), v.dtype) < 0) throw PythonError{};
+  set_node_dtype(g, node, v.dtype);
   return node;
 }
 
-i64 index_input(PyObject* graph, PyObject* node_dtypes, PyObject* x) {
+i64 index_input(PyObject* graph, PyObject* x) {
   IndexValue v;
-  return index_value(x, v) ? add_index_input(graph, node_dtypes, v) : -1;
+  return index_value(x, v) ? add_index_input(graph, v) : -1;
 }
 
 constexpr i64 kDeferredNode = -2;  // an index input whose node is not made yet
@@ -176,7 +175,6 @@ struct TakeApart {
   Store* g;
   PyObject* graph;       // g as an object
   PyObject* shadows;     // the graph's dict, or NULL when empty
-  PyObject* node_dtypes;
   PyObject* nodes;       // lists, filled as operands are met
   PyObject* operands;
   PyObject* params;
@@ -207,7 +205,7 @@ struct TakeApart {
       deferred->emplace_back(PyList_GET_SIZE(nodes), std::move(v));
       return kDeferredNode;
     }
-    const i64 index = index_input(graph, node_dtypes, x);
+    const i64 index = index_input(graph, x);
     return index >= 0 ? index : operand_node(g, x);
   }
 
@@ -240,8 +238,7 @@ struct TakeApart {
         append(params, Py_False);
         continue;
       }
-      PyObject* node_dtype = PyDict_GetItemWithError(node_dtypes, id);  // borrowed
-      if (!node_dtype && PyErr_Occurred()) throw PythonError{};
+      PyObject* node_dtype = flybatch::node_dtype(g, node);  // borrowed
       PyObject* shape = (*g->shape_tuples)[g->nodes->shape[node]];
       Owned operand{PyTuple_Pack(2, shape, node_dtype ? node_dtype : dtype.get())};
       append(operands, operand.get());
@@ -311,8 +308,7 @@ bool in_weights(PyObject* weights, PyObject* which) {
 // op, shape, dtype, attr, shared_at); the signature is the tuple `head` followed by the nodes of
 // the shared operands. The first node of a plan in a graph is appended so; later ones, as that
 // one was (LearntPlan), without the plan's tuple or a Python signature key (grad mode on).
-PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t n,
-                         PyObject* node_dtypes) {
+PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t n) {
   check_open(g);
   const bool grad = grad_enabled();
   auto learnt = g->learnt_plans->find(plan);
@@ -323,10 +319,8 @@ PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t
     if (same) {
       Owned out{flybatch::append(g, known.op, nodes, n, known.shape, known.sig,
                                  known.attr ? known.attr : Py_None, /*no_grad=*/false)};
-      if (known.own_dtype) {
-        Owned id{PyLong_FromLongLong(reinterpret_cast<Expression*>(out.get())->id)};
-        if (PyDict_SetItem(node_dtypes, id.get(), known.own_dtype) < 0) throw PythonError{};
-      }
+      if (known.own_dtype)
+        set_node_dtype(g, reinterpret_cast<Expression*>(out.get())->id, known.own_dtype);
       return out.release();
     }
   }
@@ -361,10 +355,7 @@ PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t
   PyObject* dtype = PyTuple_GET_ITEM(fast.get(), 3);
   Owned fixed{graph_dtype(graph)};
   const i64 node = reinterpret_cast<Expression*>(out.get())->id;
-  if (dtype != fixed.get()) {
-    Owned id{PyLong_FromLongLong(node)};
-    if (PyDict_SetItem(node_dtypes, id.get(), dtype) < 0) throw PythonError{};
-  }
+  if (dtype != fixed.get()) set_node_dtype(g, node, dtype);
   // Learnt once the graph's dtype is fixed (a node's "own" dtype is relative to it).
   const Columns& c = *g->nodes;
   if (learnt == g->learnt_plans->end() && !c.no_grad[node] &&
@@ -382,8 +373,7 @@ PyObject* append_planned(Store* g, PyObject* plan, const i64* nodes, std::size_t
   return out.release();
 }
 
-PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
-                         PyObject* node_dtypes) {
+PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes) {
   if (!PyTuple_Check(nodes)) raise(PyExc_TypeError, "append_planned: nodes must be a tuple");
   SmallInts<8> ids;
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(nodes); ++k) {
@@ -394,8 +384,7 @@ PyObject* append_planned(PyObject* graph, PyObject* plan, PyObject* nodes,
             static_cast<long long>(id));
     ids.push(id);
   }
-  return append_planned(reinterpret_cast<Store*>(graph), plan, ids.data(), ids.size(),
-                        node_dtypes);
+  return append_planned(reinterpret_cast<Store*>(graph), plan, ids.data(), ids.size());
 }
 
 const char kAppendPlannedDoc[] =
@@ -409,7 +398,7 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
       raise(PyExc_TypeError, "append_planned(graph, plan, nodes: tuple)");
     Store* g = reinterpret_cast<Store*>(argv[0]);
     check_open(g);
-    return append_planned(argv[0], argv[1], argv[2], graph_node_dtypes(g));
+    return append_planned(argv[0], argv[1], argv[2]);
   });
 }
 
@@ -465,7 +454,6 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
     t.g = g;
     t.graph = graph.get();
     t.shadows = graph_has_shadows(g) ? g->shadows : nullptr;
-    t.node_dtypes = graph_node_dtypes(g);
     Owned nodes{PyList_New(0)}, operands{PyList_New(0)}, params{PyList_New(0)},
         weight{PyList_New(0)}, key{PyList_New(0)};
     t.nodes = nodes.get();
@@ -503,7 +491,7 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
         params_tuple{PyList_AsTuple(params.get())}, weight_tuple{PyList_AsTuple(weight.get())};
     auto make_deferred = [&] {  // their nodes, in the operands' order
       for (const auto& [at, v] : deferred) {
-        Owned id{PyLong_FromLongLong(add_index_input(graph.get(), t.node_dtypes, v))};
+        Owned id{PyLong_FromLongLong(add_index_input(graph.get(), v))};
         if (PyList_SetItem(nodes.get(), at, id.release()) < 0) throw PythonError{};
       }
     };
@@ -515,7 +503,7 @@ PyObject* take_apart_call(PyObject* const* argv, Py_ssize_t argc, PyObject** pla
       if (plan && Py_TYPE(plan) == reinterpret_cast<PyTypeObject*>(g_plan_type)) {
         make_deferred();
         Owned nodes_tuple{PyList_AsTuple(nodes.get())};
-        PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get(), t.node_dtypes);
+        PyObject* out = append_planned(graph.get(), plan, nodes_tuple.get());
         if (plan_used) *plan_used = Py_NewRef(plan);  // (a new reference)
         return out;
       }
@@ -838,11 +826,8 @@ PyObject* fb_unary(PyObject* func, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   Expression* e = reinterpret_cast<Expression*>(x);
-  PyObject* node_dtypes = graph_node_dtypes(e->graph);
-  Owned id{PyLong_FromLongLong(expression_node(e))};
-  PyObject* dtype = PyDict_GetItemWithError(node_dtypes, id.get());  // borrowed
-  if (!dtype && PyErr_Occurred()) throw PythonError{};
-  if (dtype) return nullptr;  // not of the graph's floating dtype, which the fb op computes in
+  // not of the graph's floating dtype, which the fb op computes in
+  if (of_other_dtype(e->graph, expression_node(e))) return nullptr;
   return checked(PyObject_CallOneArg(op, x));
 }
 
@@ -863,16 +848,12 @@ PyObject* apply_recipe(PyObject* recipe, PyObject* args) {
   if (!PyList_CheckExact(plans.get()))
     return checked(PyObject_CallMethodOneArg(recipe, s_apply, args));
   Expression* e = reinterpret_cast<Expression*>(x);
-  PyObject* graph = reinterpret_cast<PyObject*>(e->graph);
-  Owned node_dtypes{Py_NewRef(graph_node_dtypes(e->graph))};
-  Owned id{PyLong_FromLongLong(expression_node(e))};
-  Owned nodes{PyTuple_Pack(1, id.get())};
+  const i64 node = expression_node(e);
   const Py_ssize_t n = PyList_GET_SIZE(plans.get());
   Owned pieces{PyList_New(n)};
   for (Py_ssize_t i = 0; i < n; ++i) {
     Owned plan{Py_NewRef(PyList_GET_ITEM(plans.get(), i))};
-    PyList_SET_ITEM(pieces.get(), i,
-                    append_planned(graph, plan.get(), nodes.get(), node_dtypes.get()));
+    PyList_SET_ITEM(pieces.get(), i, append_planned(e->graph, plan.get(), &node, 1));
   }
   if (kind.get() == reinterpret_cast<PyObject*>(&PyList_Type)) return pieces.release();
   return checked(PyObject_CallOneArg(kind.get(), pieces.get()));
@@ -950,18 +931,11 @@ struct CallForm {
     // A tensor the graph wrote into stands for a node of its own (take_apart asks Python)
     if (graph_has_shadows(g)) return false;
     add(reinterpret_cast<i64>(fixed));
-    PyObject* node_dtypes = graph_node_dtypes(g);
-    const bool all_floating = PyDict_GET_SIZE(node_dtypes) == 0;
     const std::int32_t parameter_code = op_code(g_parameter_op);
     for (std::size_t k = 0; k < nodes.size(); ++k) {
       const i64 node = nodes[k];
       if (node == kDeferredNode) continue;  // (its shape and dtype are in the form)
-      PyObject* dtype = nullptr;  // borrowed
-      if (!all_floating) {
-        Owned id{PyLong_FromLongLong(node)};
-        dtype = PyDict_GetItemWithError(node_dtypes, id.get());
-        if (!dtype && PyErr_Occurred()) throw PythonError{};
-      }
+      PyObject* dtype = node_dtype(g, node);  // borrowed; NULL: the graph's
       const bool parameter = g->nodes->op[node] == parameter_code;
       add(g->nodes->shape[node], reinterpret_cast<i64>(dtype));
       add(parameter ? node : -1);
@@ -1078,14 +1052,13 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
       check_open(g);  // (take_apart's check)
       PlannedCall& known = *found->second;
       if (!known.is_plan) return apply_recipe(Owned{Py_NewRef(known.plan)}.get(), args);
-      PyObject* node_dtypes = graph_node_dtypes(g);
       SmallInts<8> nodes;
       std::size_t next_index = 0;
       for (std::size_t k = 0; k < form.nodes.size(); ++k)
         nodes.push(form.nodes[k] == kDeferredNode
-                            ? add_index_input(graph, node_dtypes, indices[next_index++])
+                            ? add_index_input(graph, indices[next_index++])
                             : form.nodes[k]);
-      return append_planned(g, known.plan, nodes.data(), nodes.size(), node_dtypes);
+      return append_planned(g, known.plan, nodes.data(), nodes.size());
     }
   }
   PyObject* call[5] = {Py_None, args, kwargs, PyTuple_GET_ITEM(entry, 1), handler};
@@ -1357,17 +1330,14 @@ PyObject* concat_of_expressions(PyObject* func, PyObject* args, PyObject* kwargs
   PyObject* first = PySequence_Fast_GET_ITEM(tensors, 0);
   if (Py_TYPE(first) != reinterpret_cast<PyTypeObject*>(g_expression_type)) return nullptr;
   Store* g = reinterpret_cast<Expression*>(first)->graph;
-  Owned node_dtypes{Py_NewRef(graph_node_dtypes(g))};
   Owned list{PyList_New(PySequence_Fast_GET_SIZE(tensors))};
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(tensors); ++i) {
     PyObject* x = PySequence_Fast_GET_ITEM(tensors, i);
     if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type) ||
         reinterpret_cast<Expression*>(x)->graph != g)
       return nullptr;
-    Owned id{PyLong_FromLongLong(expression_node(reinterpret_cast<Expression*>(x)))};
-    const int own_dtype = PyDict_Contains(node_dtypes.get(), id.get());
-    if (own_dtype < 0) throw PythonError{};
-    if (own_dtype) return nullptr;  // not of the graph's floating dtype
+    if (of_other_dtype(g, expression_node(reinterpret_cast<Expression*>(x))))
+      return nullptr;  // not of the graph's floating dtype
     PyList_SET_ITEM(list.get(), i, Py_NewRef(x));
   }
   const i64 node = expression_node(reinterpret_cast<Expression*>(first));

@@ -848,14 +848,7 @@ PyTypeObject RuleType = [] {
 bool of_other_dtype(PyObject* x) {
   if (!is_expression(x)) return false;
   Expression* e = as_expression(x);
-  PyObject* dtypes = graph_node_dtypes(e->graph);  // borrowed
-  if (!PyDict_GET_SIZE(dtypes)) return false;
-  PyObject* id = PyLong_FromLongLong(expression_node(e));
-  if (!id) throw PythonError{};
-  Release id_ref{id};
-  const int found = PyDict_Contains(dtypes, id);
-  if (found < 0) throw PythonError{};
-  return found;
+  return flybatch::of_other_dtype(e->graph, expression_node(e));
 }
 
 // Whether `x` has more than two dims: `a @ b` of such operands is torch.matmul's broadcast

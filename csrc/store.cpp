@@ -226,6 +226,20 @@ PyObject* graph_node_dtypes(Store* s) {
   return s->node_dtypes;
 }
 
+void set_node_dtype(Store* s, i64 node, PyObject* dtype) {
+  Owned id{PyLong_FromLongLong(node)};
+  if (!id.get() || PyDict_SetItem(graph_node_dtypes(s), id.get(), dtype) < 0) throw PythonError{};
+  s->nodes->other_dtype.data()[node] = 1;
+}
+
+PyObject* node_dtype(Store* s, i64 node) {
+  if (!s->nodes->other_dtype[node]) return nullptr;
+  Owned id{PyLong_FromLongLong(node)};
+  PyObject* dtype = PyDict_GetItemWithError(graph_node_dtypes(s), id.get());  // borrowed
+  if (!dtype && PyErr_Occurred()) throw PythonError{};
+  return dtype;
+}
+
 bool graph_has_shadows(Store* s) {
   if (!s->shadows || !PyDict_Check(s->shadows))
     raise(PyExc_TypeError, "graph.shadows must be a dict");
@@ -324,6 +338,7 @@ PyObject* append(Store* s, std::int32_t op, const i64* args, std::size_t n_args,
     c.depth.push(depth);
     c.shape.push(shape);
     c.no_grad.push(no_grad);
+    c.other_dtype.push(0);
     c.index.push(index);
     s->attrs->push_back(attr == Py_None ? nullptr : Py_XNewRef(attr));
     c.op.push(op);  // last: n_nodes counts complete nodes only
@@ -820,6 +835,18 @@ PyObject* store_forget(PyObject* self, PyObject* tensor) {
   Py_RETURN_NONE;
 }
 
+PyObject* store_set_node_dtype(PyObject* self, PyObject* args) {
+  long long node;
+  PyObject* dtype;
+  if (!PyArg_ParseTuple(args, "LO:set_node_dtype", &node, &dtype)) return nullptr;
+  Store* s = as_store(self);
+  return guarded([&]() -> PyObject* {
+    if (node < 0 || node >= n_nodes(s)) raise(PyExc_IndexError, "node %lld is not in this graph", node);
+    set_node_dtype(s, node, dtype);
+    Py_RETURN_NONE;
+  });
+}
+
 // Graph.parameter_view_node's node of `tensor[part]` for an int `part`, for the capture to find
 // without Python (capture.cpp's known_parameter_part); the graph holds the tensor until close.
 PyObject* store_remember_part(PyObject* self, PyObject* args) {
@@ -874,6 +901,9 @@ PyMethodDef kStoreMethods[] = {
      METH_FASTCALL, "set_parameter_tag(node, tag): products sharing this parameter batch by tag"},
     {"parameter_tag", store_parameter_tag, METH_O,
      "parameter_tag(node): the node's tag if it is a parameter, else None"},
+    {"set_node_dtype", store_set_node_dtype, METH_VARARGS,
+     "set_node_dtype(node, dtype): node `node` holds values of `dtype`, not of the graph's\n"
+     "floating dtype (node_dtypes[node] = dtype, marked for C readers too)"},
     {"remember_part", store_remember_part, METH_VARARGS,
      "remember_part(tensor, part, node): node `node` is `tensor[part]` (an int part of a\n"
      "parameter, Graph.parameter_view_node), found in C by the next `tensor[part]`"},

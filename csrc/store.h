@@ -211,6 +211,9 @@ struct Columns {
   Column<i64> arg_flat{"q"};
   Column<std::int32_t> shape{"i"};   // interned shape id, per graph
   Column<std::uint8_t> no_grad{"B"};  // written under torch.no_grad()
+  // 1: the node's value is not of the graph's floating dtype; its dtype is in `node_dtypes`
+  // (set_node_dtype), read by C without a dict lookup for the common floating node.
+  Column<std::uint8_t> other_dtype{"B"};
   Column<i64> index{"q"};            // the per-node int of ops that take one (pick, lookup)
   // Where a node's value lives once scheduled: row `row` of the result of batch `batch` (-1:
   // not scheduled). Written by the scheduler for a forward's nodes, so they are grown to the
@@ -300,6 +303,11 @@ struct LearntPlan {
 // The store's `node_dtypes` dict and whether `shadows` holds any (borrowed; TypeError where
 // Python rebound them to something else).
 PyObject* graph_node_dtypes(Store* s);
+// Node `node` holds values of `dtype`, not of the graph's floating dtype (Store.set_node_dtype).
+void set_node_dtype(Store* s, i64 node, PyObject* dtype);
+// The dtype of `node` where it is not the graph's floating dtype (borrowed), else NULL.
+PyObject* node_dtype(Store* s, i64 node);
+inline bool of_other_dtype(const Store* s, i64 node) { return s->nodes->other_dtype[node]; }
 bool graph_has_shadows(Store* s);
 // The graph's floating dtype once fixed, else None (borrowed).
 inline PyObject* graph_fixed_dtype(const Store* s) {

@@ -205,10 +205,7 @@ PyObject* one_class_loss(PyObject* args, PyObject* kwargs) {
       label >= dims[1])
     return nullptr;
   // the fb op computes in the graph's floating dtype: a node of another is the handler's
-  Owned id{PyLong_FromLongLong(e->id)};
-  const int other_dtype = PyDict_Contains(graph_node_dtypes(e->graph), id.get());
-  if (other_dtype < 0) throw PythonError{};
-  if (other_dtype) return nullptr;
+  if (of_other_dtype(e->graph, e->id)) return nullptr;
   Owned node{new_expression(e->graph, e->id)};
   Owned index{PyLong_FromLongLong(label)};
   PyObject* call[2] = {node.get(), index.get()};

@@ -266,7 +266,8 @@ class Graph(_core.Store):
         # first one fixes the device (see `dtype`).
         self._dtype = dtype
         # dtypes of the nodes that are not of the graph's floating dtype (integer inputs, the
-        # indices of a captured `topk`...): node -> dtype.
+        # indices of a captured `topk`...): node -> dtype, written by `set_node_dtype` (which
+        # marks the node for the compiled core too).
         self.node_dtypes: dict[int, torch.dtype] = {}
         # Plain tensors written in place with expressions by captured torch code
         # (`buffer[i] = h`): id -> (tensor, the expression now standing for it). See
@@ -532,7 +533,7 @@ class Graph(_core.Store):
             if dtype in _INDEX_DTYPES and tensor.numel() == 1 and tensor.device.type == "cpu":
                 node = self.add(INDEX_INPUT, (), shape, ("index input", shape, dtype), None,
                                 int(tensor)).id
-                self.node_dtypes[node] = dtype
+                self.set_node_dtype(node, dtype)
                 return node
             value = tensor if keep_grad else tensor.detach()
             if value.layout != torch.strided:
@@ -547,7 +548,7 @@ class Graph(_core.Store):
         if floating:
             return self.add(INPUT, (), shape, ("input", shape), value).id
         node = self.add(INPUT, (), shape, ("input", shape, dtype), value).id
-        self.node_dtypes[node] = dtype
+        self.set_node_dtype(node, dtype)
         return node
 
     def dtype_of(self, node: int) -> torch.dtype:

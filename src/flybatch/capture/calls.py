@@ -226,7 +226,7 @@ def _node(g: Graph, op: Op, nodes, shape: tuple, key: tuple, attr: Any,
           dtype: torch.dtype) -> Expression:
     out = g.add(op, tuple(nodes), tuple(shape), key, attr)
     if dtype != g.dtype:
-        g.node_dtypes[out.id] = dtype
+        g.set_node_dtype(out.id, dtype)
     return out
 
 
