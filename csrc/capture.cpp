@@ -1648,6 +1648,26 @@ PyMethodDef kCaptureMethods[] = {
 
 }  // namespace
 
+// A unary call of one expression (torch.sigmoid(x), x.tanh()) with nothing else, by the fb op it
+// maps to, as `record` takes it, without the call's tuple and dict (~9k a Tree-LSTM minibatch);
+// NULL (no error) for any other, which goes the whole way (an autocast region's refusal too).
+PyObject* record_unary_call(PyObject* func, PyObject* x) {
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(g_expression_type) || !g_fb_unary)
+    return nullptr;
+  return guarded([&]() -> PyObject* {
+    PyObject* op = PyDict_GetItemWithError(g_fb_unary, func);  // borrowed
+    if (!op) {
+      if (PyErr_Occurred()) throw PythonError{};
+      return nullptr;
+    }
+    if (autocast_enabled()) return nullptr;
+    OwnTimeScope own;  // recording a call is flybatch's part of the build
+    Expression* e = reinterpret_cast<Expression*>(x);
+    if (of_other_dtype(e->graph, expression_node(e))) return nullptr;
+    return checked(PyObject_CallOneArg(op, x));
+  });
+}
+
 // `U_f[0]` inside a graph block: a part of a parameter by an int that the current graph has
 // made its node of (Graph.parameter_view_node, Store.remember_part): that node's handle,
 // without the capture's Python. NULL (no error) for anything else.

@@ -29,6 +29,9 @@ PyObject* record_torch_call(PyObject* func, PyObject* args, PyObject* kwargs);
 // capture.cpp: `tensor[part]`'s node where the current graph knows it (a parameter's part by
 // an int, `U_f[0]`), else NULL with no error.
 PyObject* known_parameter_part(PyObject* tensor, PyObject* part);
+// capture.cpp: `func(x)` of one expression by the fb op it maps to (torch.sigmoid, x.tanh()),
+// else NULL with no error.
+PyObject* record_unary_call(PyObject* func, PyObject* x);
 
 namespace {
 
@@ -255,6 +258,8 @@ PyObject* shortcut_call(PyObject* self, PyObject* const* args, std::size_t nargs
     const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (func == g_tensor_getitem && nargs == 2 && !kwnames)  // `U_f[0]`, seen before
       if (PyObject* part = known_parameter_part(args[0], args[1])) return part;
+    if (nargs == 1 && !kwnames)  // torch.sigmoid(x)
+      if (PyObject* out = record_unary_call(func, args[0])) return out;
     if (PyErr_Occurred()) throw PythonError{};
     const Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
     const bool expression = any_argument(args, n, is_expression);
@@ -381,7 +386,11 @@ PyObject* recorded_method_call(PyObject* self, PyObject* const* args, std::size_
                                PyObject* kwnames) {
   PyObject* func = reinterpret_cast<Shortcut*>(self)->func;
   return guarded([&]() -> PyObject* {
-    CallParts call(args, PyVectorcall_NARGS(nargsf), kwnames);
+    const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs == 1 && !kwnames)  // x.sigmoid()
+      if (PyObject* out = record_unary_call(func, args[0])) return out;
+    if (PyErr_Occurred()) throw PythonError{};
+    CallParts call(args, nargs, kwnames);
     return record_torch_call(func, call.args.get(), call.kwargs.get());
   });
 }
