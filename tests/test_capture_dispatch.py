@@ -287,6 +287,16 @@ def test_the_cyclic_collector_pauses_while_a_graph_records_and_runs_after():
     assert gc.isenabled()
     gc.collect()
     assert alive() is None  # cyclic garbage made inside the block is collected after it
+    seen = []
+
+    class Recording(fb.Graph):
+        def close(self, *args, **kwargs):
+            seen.append(gc.isenabled())
+            super().close(*args, **kwargs)
+
+    with Recording():
+        pass
+    assert seen == [False] and gc.isenabled()  # paused until the graph has freed its objects
     gc.disable()  # a collector the user turned off stays off
     try:
         with fb.Graph():

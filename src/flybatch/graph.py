@@ -964,10 +964,14 @@ class Graph(_core.Store):
             break
         from . import capture
 
-        capture.pop()
-        if not self._entries:
-            # (not after KeyboardInterrupt and the like: nothing more should run)
-            self.close(write_back=exc[0] is None or issubclass(exc[0], Exception), exc=exc[1])
+        held = capture.pop(keep_collector=True)  # (paused until the graph's objects are freed)
+        try:
+            if not self._entries:
+                # (not after KeyboardInterrupt and the like: nothing more should run)
+                self.close(write_back=exc[0] is None or issubclass(exc[0], Exception), exc=exc[1])
+        finally:
+            if held:
+                capture.release_collector()
 
     def stats(self):
         from .stats import collect

@@ -56,4 +56,4 @@ from . import tensor_like, views  # noqa: F401
 from .calls import _key, torch_call  # noqa: F401
 from .dispatch import _FB_UNARY, _HANDLERS, _PLANNED  # noqa: F401
 from .inplace import sharing_storage  # noqa: F401
-from .mode import _Capture, _forget, pop, push  # noqa: F401
+from .mode import _Capture, _forget, pop, push, release_collector  # noqa: F401

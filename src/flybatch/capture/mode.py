@@ -61,34 +61,57 @@ _SHORTCUTS = [(owner, name, getattr(owner, name),
 # ---- while any thread captures: the shortcuts, and Python's cyclic collector paused ----------
 # A graph block makes tens of thousands of objects that live until it ends (expression handles,
 # index tensors): each makes the cyclic garbage collector run sooner, and each run walks all of
-# them again (a full run, the whole heap of torch's modules too). Paused while a block records,
-# the collector runs as due once the last block ends: ~5% of a torch-native Tree-LSTM step.
-# Cyclic garbage made inside a block is collected after it (reference counting frees the rest
-# at once, as always); a collector the user turned off stays off.
+# them again (a full run, the whole heap of torch's modules too). Paused while a block records
+# and until its graph is closed (`pop(keep_collector=True)`, then `release_collector()`: run
+# before the close, the first collection walked every handle the graph still held, ~1.3 ms of a
+# parser step), the collector runs as due once the last block ends. Cyclic garbage made inside a
+# block is collected after it (reference counting frees the rest at once, as always); a
+# collector the user turned off stays off.
 _process_lock = threading.Lock()
 _capturing_threads = 0
+_collector_holds = 0  # capturing threads, and graphs closing after their capture ended
 _paused_collector = False
 
 
+def _hold_collector() -> None:  # (under _process_lock)
+    global _collector_holds, _paused_collector
+    _collector_holds += 1
+    if _collector_holds == 1:
+        _paused_collector = gc.isenabled()
+        gc.disable()
+
+
+def _release_collector() -> None:  # (under _process_lock)
+    global _collector_holds
+    _collector_holds -= 1
+    if _collector_holds == 0 and _paused_collector:
+        gc.enable()
+
+
+def release_collector() -> None:
+    """Ends the collector's pause that `pop(keep_collector=True)` kept (after a graph's close)."""
+    with _process_lock:
+        _release_collector()
+
+
 def _process_on() -> None:
-    global _capturing_threads, _paused_collector
+    global _capturing_threads
     with _process_lock:
         _capturing_threads += 1
+        _hold_collector()
         if _capturing_threads == 1:
             for owner, name, func, shortcut in _SHORTCUTS:
                 if getattr(owner, name) is func:  # (leave a name someone else rebound)
                     setattr(owner, name, shortcut)
-            _paused_collector = gc.isenabled()
-            gc.disable()
 
 
-def _process_off() -> None:
+def _process_off(keep_collector: bool) -> None:
     global _capturing_threads
     with _process_lock:
         _capturing_threads -= 1
+        if not keep_collector:
+            _release_collector()
         if _capturing_threads == 0:
-            if _paused_collector:
-                gc.enable()
             for owner, name, func, shortcut in _SHORTCUTS:
                 if getattr(owner, name) is shortcut:
                     if isinstance(owner, type) and getattr(owner.__base__, name, None) is func:
@@ -117,13 +140,17 @@ def push() -> None:
     _thread.depth = depth + 1
 
 
-def pop() -> None:
+def pop(keep_collector: bool = False) -> bool:
+    """Capture off (the last pop of nested pushes). With `keep_collector`, the collector stays
+    paused when this was the last pop: returns True, and `release_collector()` must follow."""
     _thread.depth -= 1
     if _thread.depth == 0:
         torch.overrides._pop_mode()
         _core.set_capture_level(0)
         Distribution.set_default_validate_args(_thread.validate_args)
-        _process_off()
+        _process_off(keep_collector)
+        return keep_collector
+    return False
 
 
 # Tensor attributes and methods that describe a plain tensor: always run as they are (and
