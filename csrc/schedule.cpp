@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <queue>
 #include <stdexcept>
 #include <string>
@@ -296,6 +297,70 @@ std::vector<std::int32_t> ranks_of(const Nodes& nodes, const Signatures& sigs,
   return rank;
 }
 
+// Per node, the most nodes of its signature on any path of this forward STARTING at it (leaves
+// get 0): dense_ranks_of along consumers, from the last node back. `edges`: the forward's
+// consumers (Edges), as CSR arrays. Columns only for the signatures that launch and have nodes
+// at two depths or more (no path holds two nodes of one depth); a forward whose table would
+// pass kDenseBackward entries is turned around instead (node v becomes n - 1 - v) for
+// ranks_of, whose sparse counts take less memory and more time.
+constexpr std::size_t kDenseBackward = std::size_t{1} << 18;
+
+__attribute__((optimize("O3"))) std::vector<std::int32_t> backward_ranks_of(
+    const Nodes& nodes, const std::vector<i64>& consumers_ptr,
+    const std::vector<Local>& consumers, const Signatures& sigs,
+    const std::vector<OpFlags>& flags) {
+  constexpr std::size_t kChunk = 8;
+  const Local n = nodes.n;
+  std::vector<std::int32_t> column(sigs.count(), -1);
+  std::vector<bool> deeper(sigs.count(), false);
+  for (Local v = 0; v < n; ++v)
+    if (nodes.depth[v] != nodes.depth[sigs.first[sigs.of[v]]]) deeper[sigs.of[v]] = true;
+  std::size_t columns = 0;
+  for (std::size_t s = 0; s < sigs.count(); ++s)
+    if (deeper[s] && !flags[s].leaf) column[s] = static_cast<std::int32_t>(columns++);
+  const std::size_t width = (columns + kChunk - 1) / kChunk * kChunk;
+  std::vector<std::int32_t> rank(n);
+  if (width * static_cast<std::size_t>(n) > kDenseBackward) {
+    std::vector<i64> ptr(static_cast<std::size_t>(n) + 1, 0), flat(consumers.size());
+    for (Local i = 0; i < n; ++i) {  // reversed node i is node n - 1 - i
+      const Local v = n - 1 - i;
+      ptr[i + 1] = ptr[i] + (consumers_ptr[v + 1] - consumers_ptr[v]);
+      for (i64 e = consumers_ptr[v]; e < consumers_ptr[v + 1]; ++e)
+        flat[ptr[i] + (e - consumers_ptr[v])] = n - 1 - consumers[e];
+    }
+    Signatures reversed;
+    reversed.of.assign(sigs.of.rbegin(), sigs.of.rend());
+    reversed.first = sigs.first;  // read only with depths, which the reversed forward has not
+    Nodes back;
+    back.n = n;
+    back.arg_ptr = ptr.data();
+    back.arg_flat = flat.data();
+    rank = ranks_of(back, reversed, flags);
+    std::reverse(rank.begin(), rank.end());
+    return rank;
+  }
+  if (width == 0) {
+    for (Local v = 0; v < n; ++v) rank[v] = !flags[sigs.of[v]].leaf;
+    return rank;
+  }
+  // The table's memory is kept from call to call (at most kDenseBackward entries per thread):
+  // allocated afresh, its pages cost more than filling them (hierarchical-rnn x20, 4.1k nodes x
+  // 16 columns: 125 -> 20 us).
+  static thread_local std::vector<std::int32_t> count;
+  count.assign(static_cast<std::size_t>(n) * width, 0);
+  for (Local v = n - 1; v >= 0; --v) {
+    std::int32_t* __restrict row = &count[v * width];
+    for (i64 e = consumers_ptr[v]; e < consumers_ptr[v + 1]; ++e) {
+      const std::int32_t* __restrict after = &count[consumers[e] * width];
+      for (std::size_t c = 0; c < width; c += kChunk)
+        for (std::size_t k = 0; k < kChunk; ++k) row[c + k] = std::max(row[c + k], after[c + k]);
+    }
+    const std::int32_t s = sigs.of[v];
+    rank[v] = column[s] >= 0 ? ++row[column[s]] : !flags[s].leaf;
+  }
+  return rank;
+}
+
 // Appends batches to a Placement and orders each batch's rows so that the next batch usually
 // finds its inputs as a contiguous, in-order run of an earlier result, read without a copy.
 class Placer {
@@ -487,6 +552,7 @@ struct Groups {
   std::vector<i64> of;              // per node
   std::vector<i64> size;            // per group
   std::vector<std::int32_t> rank;   // per node (ranks_of)
+  std::vector<std::int32_t> brank;  // per node: the same along consumers (backward_ranks_of)
   std::vector<std::int32_t> high;   // per signature: its highest rank, 0 for leaves
   std::vector<Local> nodes_of;      // per signature: its number of nodes
   i64 bound = 0;                    // groups of signatures that launch a kernel
@@ -496,26 +562,33 @@ struct Groups {
 // launch, so that a candidate of `auto` stops as soon as it cannot beat the best schedule so
 // far rather than when it has used as many launches.
 //
-// Per signature s that launches a kernel and still has nodes to run: at least one launch, and
-// at least high(s) - done(s), done(s) being the highest rank among its nodes already run. A
-// node v of rank r ends a path through s-nodes c_1 .. c_r = v of ranks exactly 1 .. r (a
-// higher rank of c_i would give v a higher one). The nodes already run are closed under
-// inputs, so those of the path are a prefix c_1 .. c_k with k <= done(s), and the rest, each
-// an input of the next, need r - k >= r - done(s) launches of s. With r = high(s) this holds
-// while a node of the highest rank is left; once none is, done(s) = high(s) and the bound is 1.
-//
-// `by_rank` false: one launch per signature left, all that holds for a schedule built from the
-// end of the forward back (list_schedule's `backward`), whose nodes run are closed under
-// consumers rather than inputs.
+// Per signature s that launches a kernel: the most s-nodes on one path through the nodes not
+// yet run (no two of them can share a launch, each waits on the one before). A schedule built
+// forward has run a set of nodes closed under inputs, so the nodes not yet run are closed under
+// consumers, and a path through them is a path of the forward from its first node v: the most
+// s-nodes on it is v's backward rank (Groups::brank, the most s-nodes on a path of the forward
+// starting at v), a number fixed before the schedule starts. So the bound of s is the highest
+// backward rank among its nodes not yet run: per signature, a count of the nodes not yet run at
+// each backward rank, and the highest rank with a count left. A schedule built from the end of
+// the forward back (list_schedule's `backward`) is the same with the forward ranks. This is
+// the exact heuristic of bench/optimum.py's A*, and at least what rank(s) - done(s) (the
+// highest rank less the highest rank run) gave before.
 class LaunchesLeft {
  public:
-  LaunchesLeft(const Groups& groups, const Signatures& sigs, const std::vector<OpFlags>& flags,
-               bool by_rank = true)
-      : groups_(&groups), sigs_(&sigs), by_rank_(by_rank), left_(groups.nodes_of),
-        done_(sigs.count(), 0) {
-    for (std::size_t s = 0; s < sigs.count(); ++s)
-      if (flags[s].leaf) left_[s] = 0;  // leaves launch nothing: never counted
-    for (std::size_t s = 0; s < sigs.count(); ++s) value_ += bound_of(s);
+  // `level`: per node, its backward rank (forward schedules) or rank (backward ones).
+  LaunchesLeft(const std::vector<std::int32_t>& level, const Signatures& sigs,
+               const std::vector<OpFlags>& flags)
+      : level_(&level), sigs_(&sigs), first_(sigs.count() + 1, 0), top_(sigs.count(), 0) {
+    const auto n = static_cast<Local>(level.size());
+    for (Local v = 0; v < n; ++v)
+      if (!flags[sigs.of[v]].leaf) top_[sigs.of[v]] = std::max(top_[sigs.of[v]], level[v]);
+    for (std::size_t s = 0; s < sigs.count(); ++s) {
+      first_[s + 1] = first_[s] + top_[s] + 1;
+      value_ += top_[s];
+    }
+    count_.assign(first_.back(), 0);
+    for (Local v = 0; v < n; ++v)
+      if (!flags[sigs.of[v]].leaf) ++count_[first_[sigs.of[v]] + level[v]];
   }
 
   i64 value() const { return value_; }
@@ -523,25 +596,21 @@ class LaunchesLeft {
   // Nodes batch[0 .. size-1], all of one signature, have run.
   void ran(const Local* batch, std::size_t size) {
     const std::int32_t s = sigs_->of[batch[0]];
-    if (left_[s] == 0) return;
-    value_ -= bound_of(s);
-    left_[s] -= static_cast<Local>(size);
-    if (by_rank_)
-      for (std::size_t i = 0; i < size; ++i) done_[s] = std::max(done_[s], groups_->rank[batch[i]]);
-    value_ += bound_of(s);
+    if (top_[s] == 0) return;  // a leaf, or nothing left
+    const i64 at = first_[s];
+    for (std::size_t i = 0; i < size; ++i) --count_[at + (*level_)[batch[i]]];
+    std::int32_t t = top_[s];
+    while (t > 0 && count_[at + t] == 0) --t;
+    value_ -= top_[s] - t;
+    top_[s] = t;
   }
 
  private:
-  i64 bound_of(std::size_t s) const {
-    if (left_[s] == 0) return 0;
-    return by_rank_ ? std::max<i64>(1, groups_->high[s] - done_[s]) : 1;
-  }
-
-  const Groups* groups_;  // pointers, not references: copies of a ListRun are assigned
+  const std::vector<std::int32_t>* level_;  // pointers: copies of a ListRun are assigned
   const Signatures* sigs_;
-  bool by_rank_;
-  std::vector<Local> left_;  // per signature: nodes not yet run (0 for leaves)
-  std::vector<std::int32_t> done_;
+  std::vector<i64> first_;  // per signature: where its counts start in count_
+  std::vector<std::int32_t> top_;  // per signature: the highest level with nodes not yet run
+  std::vector<Local> count_;  // nodes not yet run, per signature and level
   i64 value_ = 0;
 };
 
@@ -652,7 +721,9 @@ Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
     if (waiting[v] == 0) make_ready(v);
   Plan plan;
   plan.order.reserve(n);
-  LaunchesLeft left(groups, sigs, flags);
+  // Without a limit there is nothing to stop for (and groups.brank may not be computed).
+  std::optional<LaunchesLeft> left;
+  if (limit != INT64_MAX) left.emplace(groups.brank, sigs, flags);
   while (n_ready > 0) {
     i64 g;
     if (!complete.empty()) {
@@ -685,8 +756,8 @@ Plan ranked_agenda(const Nodes& nodes, const Groups& groups, const Edges& edges,
     }
     n_ready -= static_cast<i64>(size);
     plan.add(batch, size, !flags[sigs.of[batch[0]]].leaf);
-    left.ran(batch, size);
-    if (plan.launches + left.value() >= limit) {
+    if (left) left->ran(batch, size);
+    if (left && plan.launches + left->value() >= limit) {
       plan.launches = limit;
       break;
     }
@@ -778,7 +849,7 @@ class ListRun {
         filled_(sigs.count(), 0), taken_(sigs.count(), 0), top_(sigs.count(), -1),
         key_(sigs.count(), 0.0), scan_(sigs.count() <= kScanSignatures),
         is_dirty_(sigs.count(), 0),
-        launches_left_(groups, sigs, flags, /*by_rank=*/!backward) {
+        launches_left_(backward ? groups.rank : groups.brank, sigs, flags) {
     const Local n = nodes.n;
     if (backward)
       for (Local v = 0; v < n; ++v)
@@ -1222,7 +1293,7 @@ bool one_depth_per_signature(const Nodes& nodes, const Signatures& sigs) {
 Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
                      const std::vector<OpFlags>& flags) {
   if (one_depth_per_signature(nodes, sigs)) return by_key(nodes, sigs, flags, nodes.depth);
-  const Groups groups = groups_of(nodes, sigs, flags);
+  Groups groups = groups_of(nodes, sigs, flags);
   const Edges edges(nodes);
   const std::vector<std::int32_t> height = heights_of(nodes);
   Plan best;
@@ -1293,6 +1364,8 @@ Plan fewest_launches(const Nodes& nodes, const Signatures& sigs,
       },
   };
   best = ranked_agenda(nodes, groups, edges, sigs, flags, &height, true);
+  if (best.launches > groups.bound)
+    groups.brank = backward_ranks_of(nodes, edges.consumers_ptr, edges.consumers, sigs, flags);
   for (const auto& candidate : candidates) {
     if (best.launches == groups.bound) break;
     won_by_list = false;
