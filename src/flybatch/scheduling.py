@@ -16,14 +16,18 @@ ending at it): each (signature, rank) group runs as one batch as soon as all of 
   reaches the lower bound: the ranked agenda whose fallback, when no group is complete, runs the
   ready group with the longest path to the end of the forward (critical path); list schedules
   over signatures (a launch takes every ready node of its signature; a signature all of whose
-  remaining nodes are ready runs first, which is exact; otherwise the critical path, or the
-  squared heights of the ready nodes, picks), the critical-path one also built backwards from
-  the end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin; last,
-  on small forwards, a climb: the winning list schedule re-run with one more of its choices
-  that split a group flipped to the second-best signature, kept when it launches less; then
-  such climbs from each list schedule whose flips hold the signature back until a node of it
-  becomes ready. Never worse than `depth` or `agenda`; a candidate whose launches and a lower
-  bound on those it still needs reach the best so far stops early.
+  remaining nodes are ready runs first, which is exact; then signatures whose launch shortens
+  the longest path of their nodes still to run, which keeps launches plus the launches still
+  needed where they were; among each, the critical path, the squared heights of the ready nodes
+  or the highest ready node plus their count picks), two of them also built backwards from the
+  end of the forward; `depth`; the agenda above; and `depth`'s latest-possible twin; last, on
+  small forwards, climbs from the winning list schedule and three others: re-runs with one more
+  of their choices that split a group holding the signature back until a node of it becomes
+  ready, kept when they launch less. The winner is then compacted: its launches' signatures
+  kept in order, every node moved to the latest launch of its signature before its consumers,
+  then to the earliest after its inputs, launches left empty dropped. Never worse than `depth`
+  or `agenda`; a candidate whose launches and a lower bound on those it still needs reach the
+  best so far stops early.
 
 Scheduling also fixes where each node's value will live (the store's node_batch/node_row
 columns) and orders the rows of each batch by where its most recent input lives, so that the
