@@ -142,6 +142,29 @@ def test_a_call_taken_by_its_known_plan_adds_only_its_own_nodes():
         assert [p.value().tolist() for p in x.chunk(2)] == [x0[:2].tolist(), x0[2:].tolist()]
 
 
+def test_a_known_plans_later_nodes_batch_as_eager_grad_modes_and_weights_say():
+    # A plan's node is learnt from its first one, but a node written under no_grad has a
+    # signature of its own, and a product by another weight (an expression) another launch.
+    W = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    xs0 = [torch.randn(4, dtype=torch.float64) for _ in range(4)]
+    with fb.Graph(strategy="agenda") as g:
+        xs = [fb.input(x0) for x0 in xs0]
+        V = fb.input(torch.randn(3, 4, dtype=torch.float64)) * 1.0  # a weight that is no parameter
+        first, again = F.linear(xs[0], W), F.linear(xs[1], W)
+        with torch.no_grad():
+            quiet = F.linear(xs[2], W)
+        by_v = [F.linear(xs[3], V), F.linear(xs[0], V)]
+        after = F.linear(xs[3], W)
+        sig = g.sig_of
+        assert sig(first.id) == sig(again.id) == sig(after.id) != sig(quiet.id)
+        assert g.is_no_grad(quiet.id) and not g.is_no_grad(after.id)
+        assert sig(by_v[0].id) == sig(by_v[1].id) != sig(first.id)
+        values = [e.value() for e in (first, again, quiet, after)]
+        assert not values[2].requires_grad and values[3].requires_grad
+    for got, x0 in zip(values, [xs0[0], xs0[1], xs0[2], xs0[3]]):
+        torch.testing.assert_close(got.detach(), F.linear(x0, W).detach(), rtol=0, atol=1e-12)
+
+
 def test_the_capture_mode_and_an_expression_give_by_c_string_what_getattr_gives():
     # torch looks __torch_function__ up with PyObject_GetAttrString (on a mode) and by C string
     # through tp_getattr (on an argument), which both types answer with their own tp_getattr
