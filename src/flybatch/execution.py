@@ -34,7 +34,6 @@ module runs it with torch.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,7 +59,7 @@ Read = tuple
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
     # (graph, first_batch, order, ends) by position: keywords cost the call ~1 us to parse
-    reads, batch_reads, fan_outs, index_bytes, heads = _core.plan_reads(
+    reads, batch_reads, fan_outs, index_bytes, heads, readers, earlier = _core.plan_reads(
         graph, plan.first_batch, plan.order, plan.ends)
     if graph.deferred:  # results this forward reads that an earlier one left uncomputed
         _compute_deferred(graph, reads)
@@ -69,8 +68,10 @@ def run(graph: "Graph", plan: Schedule) -> None:
     projected: dict[int, tuple] = {}
     deferred: set[int] = set()
     if plan.first_batch:
-        projected, deferred, plain = _plan_projections(graph, plan, heads, batch_reads, reads)
-        _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
+        projected, deferred, plain = _plan_projections(graph, plan, heads, batch_reads, reads,
+                                                       readers)
+        _read_earlier_results(graph, reads, earlier, fan_outs, indices, pieces, plan.first_batch,
+                              plain)
     values, launches = graph.values, graph.launches
     for batch, (nodes, head, batch_read) in enumerate(zip(plan.batches, heads, batch_reads),
                                                       plan.first_batch):
@@ -173,7 +174,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, head: tuple, k: int, reads: l
 
 
 def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: list,
-                      reads: list[Read]) -> tuple[dict[int, tuple], set[int], set[int]]:
+                      reads: list[Read],
+                      readers: tuple[int, ...]) -> tuple[dict[int, tuple], set[int], set[int]]:
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
@@ -181,10 +183,11 @@ def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: 
     here no longer reads it, so it is not run: it is *deferred* (`_Deferred`), computed only
     if a later forward or a value request reads its nodes (a parser never does: ~1 launch and
     ~5 reads per step, 2-4 ms of its ~40 ms evaluation minibatch, 2026-11-24), and its reads
-    are not made (`plain`: nor through gradient sinks, nor fanned out)."""
+    are not made (`plain`: nor through gradient sinks, nor fanned out). `readers`: how many
+    reads read each batch's result (the planner counts them: a Counter over the reads here cost
+    ~3.5 us a forward)."""
     first_batch, values = plan.first_batch, graph.values
     projected, deferred, plain = {}, set(), set()
-    readers = None  # source batch -> how many reads of this forward read it
     for batch, (nodes, head, (arg_reads, *_)) in enumerate(
             zip(plan.batches, heads, batch_reads), first_batch):
         if head[1].name != "affine":
@@ -201,9 +204,7 @@ def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: 
                 or heads[concat][3] != 0 or weight.dim() != 3 \
                 or weight.shape[0] != 1 or bias.shape[0] != 1:
             continue
-        if readers is None:
-            readers = Counter(read[1] for read in reads if read[0] != "multi")
-        if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
+        if readers[concat] != 1:  # the concat's nodes are read by another batch too
             continue
         # (guarded: a projection is this batch's kernel, its time kernel time)
         gather = _guarded(graph, nodes, head[5], projection.plan, graph, concat_nodes,
@@ -394,14 +395,15 @@ def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
         pieces[k] = parts[piece]
 
 
-def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, indices: _Indices,
-                          pieces: dict[int, torch.Tensor], first_batch: int,
-                          plain: set[int]) -> None:
+def _read_earlier_results(graph: "Graph", reads: list[Read], earlier: tuple[int, ...],
+                          fan_outs: dict, indices: _Indices, pieces: dict[int, torch.Tensor],
+                          first_batch: int, plain: set[int]) -> None:
     """Make every partial read of an earlier forward's result that autograd tracks (a fan-out's
     gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
     `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
     parser or of `map_batched` reads rows of several earlier results. The reads in `plain`,
-    those of deferred concats, are not made."""
+    those of deferred concats, are not made. `earlier`: the reads that take part of an earlier
+    forward's result, as the planner lists them (the others are read as they are)."""
     values = graph.values
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
@@ -427,10 +429,11 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
             specs.append((sink, indices.rows(gather, sum(sizes), sink.tensor), 0, 0))
             served.append((read_ids, (sizes, piece_of)))
             graph.gathers += len(read_ids)
-    for k, read in enumerate(reads):
-        kind, source = read[0], read[1]
-        if kind == "multi" or source >= first_batch or k in fanned or k in plain:
+    for k in earlier:
+        if k in fanned or k in plain:
             continue
+        read = reads[k]
+        kind, source = read[0], read[1]
         tensor = values[source]
         if not _behind_sink(tensor) or (kind == "view" and read[3] == tensor.shape[0]):
             continue  # read as it is (by _resolve), or the whole result: read in place
