@@ -277,6 +277,15 @@ ReadPlan plan_reads(const ScheduledForward& f, const LayoutOf& layout_of) {
     plan_fan_out(f, plan, fan);
     plan.fan_outs.push_back(std::move(fan));
   }
+  plan.readers.assign(static_cast<std::size_t>(f.batches), 0);
+  for (i64 k = 0; k < static_cast<i64>(plan.reads.size()); ++k) {
+    const Read& r = plan.reads[k];
+    if (r.kind == ReadKind::multi) continue;
+    if (r.source >= f.first_batch)
+      ++plan.readers[static_cast<std::size_t>(r.source - f.first_batch)];
+    else if (partial(f, r))
+      plan.earlier_partial.push_back(k);
+  }
   return plan;
 }
 

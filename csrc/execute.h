@@ -106,6 +106,13 @@ struct ReadPlan {
   std::vector<BatchReads> batches;
   std::vector<i64> indices;       // row numbers, permutations and arities the reads refer to
   std::vector<FanOut> fan_outs;   // in the order of each source's first partial read
+  // Per batch of this forward, how many reads (views and rows: a multi read counts through its
+  // parts) read its result: execution.py asks whether a concat's only reader is one product.
+  std::vector<i64> readers;
+  // The views and rows reads of an EARLIER forward's result that take only part of it, in
+  // read order: the only reads that may go through a gradient sink (execution.py), found here
+  // instead of by a Python loop over every read of every forward.
+  std::vector<i64> earlier_partial;
 };
 
 // Throws std::invalid_argument if an argument of a batch is not placed yet.

@@ -495,7 +495,8 @@ PyObject* batch_heads(const flybatch::Store* store, const flybatch::ScheduledFor
   return heads.release();
 }
 
-// (reads, batch_reads, fan_outs, indices): the ReadPlan as Python data (see kPlanReadsDoc).
+// (reads, batch_reads, fan_outs, indices, readers, earlier): the ReadPlan as Python data (see
+// kPlanReadsDoc).
 PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
   Owned reads(PyList_New(static_cast<Py_ssize_t>(plan.reads.size())));
   for (std::size_t k = 0; k < plan.reads.size(); ++k)
@@ -524,13 +525,14 @@ PyObject* plan_to_python(const flybatch::ReadPlan& plan) {
   Owned indices(PyByteArray_FromStringAndSize(
       reinterpret_cast<const char*>(plan.indices.data()),
       static_cast<Py_ssize_t>(plan.indices.size() * sizeof(i64))));
-  return checked(
-      PyTuple_Pack(4, reads.get(), batches.get(), fan_outs.get(), indices.get()));
+  Owned readers(int_tuple(plan.readers)), earlier(int_tuple(plan.earlier_partial));
+  return checked(PyTuple_Pack(6, reads.get(), batches.get(), fan_outs.get(), indices.get(),
+                              readers.get(), earlier.get()));
 }
 
 const char kPlanReadsDoc[] =
     "plan_reads(graph, first_batch, order, ends)\n"
-    "    -> (reads, batch_reads, fan_outs, indices, heads)\n\n"
+    "    -> (reads, batch_reads, fan_outs, indices, heads, readers, earlier)\n\n"
     "How each batch of a scheduled forward reads its arguments (csrc/execute.h). order, ends:\n"
     "the forward's node ids batch after batch and where each batch ends (int64 arrays);\n"
     "first_batch: the global index of its first batch. The graph's columns (inputs, node_batch,\n"
@@ -545,7 +547,11 @@ const char kPlanReadsDoc[] =
     "  indices: the int64 row numbers, permutations, arities, widths and lengths that an `at`\n"
     "         points into;\n"
     "  heads: per batch, (its first node, that node's op, signature, attr, shape, and whether\n"
-    "         it was written under no_grad): what its launch needs, in one tuple.";
+    "         it was written under no_grad): what its launch needs, in one tuple;\n"
+    "  readers: per batch, how many view and rows reads read its result (a multi read through\n"
+    "         its parts);\n"
+    "  earlier: the ids of the view and rows reads of an earlier forward's result (a batch\n"
+    "         before first_batch) that do not read all of it, ascending.";
 
 PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* names[] = {"graph", "first_batch", "order", "ends", nullptr};
@@ -598,10 +604,12 @@ PyObject* py_plan_reads(PyObject*, PyObject* args, PyObject* kwargs) {
         forward, [&, &traits = op_traits()](i64 node) { return traits[c.op[node]].layout; });
     Owned planned(plan_to_python(plan));
     Owned heads(batch_heads(store, forward));
-    return checked(PyTuple_Pack(5, PyTuple_GET_ITEM(planned.get(), 0),
+    return checked(PyTuple_Pack(7, PyTuple_GET_ITEM(planned.get(), 0),
                                 PyTuple_GET_ITEM(planned.get(), 1),
                                 PyTuple_GET_ITEM(planned.get(), 2),
-                                PyTuple_GET_ITEM(planned.get(), 3), heads.get()));
+                                PyTuple_GET_ITEM(planned.get(), 3), heads.get(),
+                                PyTuple_GET_ITEM(planned.get(), 4),
+                                PyTuple_GET_ITEM(planned.get(), 5)));
   });
 }
 

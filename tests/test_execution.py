@@ -27,7 +27,8 @@ class Planned:
         g._grow_positions(g.n_nodes)
         self.graph = g
         self.schedule = scheduling.schedule(g, g.n_done, g.n_nodes)
-        self.reads, self.batch_reads, self.fan_outs, index_bytes, self.heads = _core.plan_reads(
+        (self.reads, self.batch_reads, self.fan_outs, index_bytes, self.heads, self.readers,
+         self.earlier) = _core.plan_reads(
             graph=g, first_batch=self.schedule.first_batch, order=self.schedule.order,
             ends=self.schedule.ends)
         self.indices = np.frombuffer(index_bytes, np.int64).tolist()
@@ -373,6 +374,16 @@ def test_every_read_gathers_exactly_the_rows_its_nodes_arguments_live_in(steps):
                 for k, piece in zip(read_ids, piece_of):
                     wanted = [row for _, row in planned.positions(k, planned.reads[k][3])]
                     assert list(rows[starts[piece]:starts[piece + 1]]) == wanted
+            # How many view and rows reads read each batch of this forward; which of them read
+            # part of an earlier forward's result.
+            first = planned.schedule.first_batch
+            plain = [(k, r) for k, r in enumerate(planned.reads) if r[0] != "multi"]
+            assert list(planned.readers) == [
+                sum(r[1] == b for _, r in plain)
+                for b in range(first, first + len(planned.schedule.batches))]
+            assert list(planned.earlier) == [
+                k for k, r in plain if r[1] < first and
+                not (r[0] == "view" and r[2] == 0 and r[3] == batch_sizes[r[1]])]
 
 
 # ---- reads of an earlier forward's results: one gradient buffer per result ----------------------

@@ -34,7 +34,6 @@ module runs it with torch.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,7 +59,7 @@ Read = tuple
 def run(graph: "Graph", plan: Schedule) -> None:
     _refresh_parameters(graph)
     # (graph, first_batch, order, ends) by position: keywords cost the call ~1 us to parse
-    reads, batch_reads, fan_outs, index_bytes, heads = _core.plan_reads(
+    reads, batch_reads, fan_outs, index_bytes, heads, readers, earlier = _core.plan_reads(
         graph, plan.first_batch, plan.order, plan.ends)
     if graph.deferred:  # results this forward reads that an earlier one left uncomputed
         _compute_deferred(graph, reads)
@@ -69,8 +68,10 @@ def run(graph: "Graph", plan: Schedule) -> None:
     projected: dict[int, tuple] = {}
     deferred: set[int] = set()
     if plan.first_batch:
-        projected, deferred, plain = _plan_projections(graph, plan, heads, batch_reads, reads)
-        _read_earlier_results(graph, reads, fan_outs, indices, pieces, plan.first_batch, plain)
+        projected, deferred, plain = _plan_projections(graph, plan, heads, batch_reads, reads,
+                                                       readers)
+        _read_earlier_results(graph, reads, earlier, fan_outs, indices, pieces, plan.first_batch,
+                              plain)
     values, launches = graph.values, graph.launches
     for batch, (nodes, head, batch_read) in enumerate(zip(plan.batches, heads, batch_reads),
                                                       plan.first_batch):
@@ -135,9 +136,9 @@ def _run_batch(graph: "Graph", nodes: np.ndarray, head: tuple, batch_read: tuple
 
 def _run_picked(graph: "Graph", nodes: np.ndarray, head: tuple, k: int, reads: list[Read],
                 indices: "_Indices", pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
-    """A pick batch whose input is rows of results of this forward, run as one index of each
-    result (appended to graph.values): the element picked, not each node's whole input, is
-    copied. False when its read needs the general path (a piece of a fan-out, an earlier
+    """A pick batch whose input is rows of results (of this forward or an earlier one), run as
+    one index of each result (appended to graph.values): the element picked, not each node's
+    whole input, is copied. False when its read needs the general path (a piece of a fan-out, an earlier
     forward's result behind a gradient sink)."""
     read = reads[k]
     parts, inverse = (read[1], read[2]) if read[0] == "multi" else ((k,), None)
@@ -173,7 +174,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, head: tuple, k: int, reads: l
 
 
 def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: list,
-                      reads: list[Read]) -> tuple[dict[int, tuple], set[int], set[int]]:
+                      reads: list[Read],
+                      readers: tuple[int, ...]) -> tuple[dict[int, tuple], set[int], set[int]]:
     """The affine batches of this forward, of a shared weight and bias over a concat batch of
     rows of earlier forwards' results, that gather projections of those results instead of
     multiplying (projection.py): batch -> (the joined tables, the rows to gather, the sources,
@@ -181,10 +183,11 @@ def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: 
     here no longer reads it, so it is not run: it is *deferred* (`_Deferred`), computed only
     if a later forward or a value request reads its nodes (a parser never does: ~1 launch and
     ~5 reads per step, 2-4 ms of its ~40 ms evaluation minibatch, 2026-11-24), and its reads
-    are not made (`plain`: nor through gradient sinks, nor fanned out)."""
+    are not made (`plain`: nor through gradient sinks, nor fanned out). `readers`: how many
+    reads read each batch's result (the planner counts them: a Counter over the reads here cost
+    ~3.5 us a forward)."""
     first_batch, values = plan.first_batch, graph.values
     projected, deferred, plain = {}, set(), set()
-    readers = None  # source batch -> how many reads of this forward read it
     for batch, (nodes, head, (arg_reads, *_)) in enumerate(
             zip(plan.batches, heads, batch_reads), first_batch):
         if head[1].name != "affine":
@@ -201,9 +204,7 @@ def _plan_projections(graph: "Graph", plan: Schedule, heads: list, batch_reads: 
                 or heads[concat][3] != 0 or weight.dim() != 3 \
                 or weight.shape[0] != 1 or bias.shape[0] != 1:
             continue
-        if readers is None:
-            readers = Counter(read[1] for read in reads if read[0] != "multi")
-        if readers[x_read[1]] != 1:  # the concat's nodes are read by another batch too
+        if readers[concat] != 1:  # the concat's nodes are read by another batch too
             continue
         # (guarded: a projection is this batch's kernel, its time kernel time)
         gather = _guarded(graph, nodes, head[5], projection.plan, graph, concat_nodes,
@@ -225,19 +226,22 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
     bias."""
     table = joined.table
     rows = torch.from_numpy(rows).to(table.device)
+    n, out = len(nodes), table.shape[1]
     if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
         if joined.sink is None:
             joined.sink = _GradientSink(table)
-        picked = _SinkReads.apply([(joined.sink, rows, 0, 0)], [joined.sink],
-                                  joined.sink.token)[0]
+        summed = _apply(_SinkRowSums, joined.sink, rows, n, joined.sink.token)
     else:
-        picked = table.index_select(0, rows)
+        summed = table.index_select(0, rows).view(n, -1, out).sum(1)
     graph.gathers += 1
-    n, out = len(nodes), table.shape[1]
     # The model's FLOPs are the product it wrote, not the projections that replace it.
-    x = next((s for s in sources if s.requires_grad), sources[0])
+    for x in sources:
+        if x.requires_grad:
+            break
+    else:
+        x = sources[0]
     kernels.flops.add(n * out, weight.shape[2], x, weight)
-    return picked.view(n, -1, out).sum(1) + bias  # ([1, out] broadcast)
+    return summed + bias  # ([1, out] broadcast)
 
 
 class _Deferred:
@@ -394,14 +398,15 @@ def _fan_out(graph: "Graph", source: int, fan_out: tuple, indices: _Indices,
         pieces[k] = parts[piece]
 
 
-def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, indices: _Indices,
-                          pieces: dict[int, torch.Tensor], first_batch: int,
-                          plain: set[int]) -> None:
+def _read_earlier_results(graph: "Graph", reads: list[Read], earlier: tuple[int, ...],
+                          fan_outs: dict, indices: _Indices, pieces: dict[int, torch.Tensor],
+                          first_batch: int, plain: set[int]) -> None:
     """Make every partial read of an earlier forward's result that autograd tracks (a fan-out's
     gather or runs, or a read of its own) through the results' gradient sinks, all in ONE
     `_SinkReads`: an autograd function costs about as much as a small gather, and a step of a
     parser or of `map_batched` reads rows of several earlier results. The reads in `plain`,
-    those of deferred concats, are not made."""
+    those of deferred concats, are not made. `earlier`: the reads that take part of an earlier
+    forward's result, as the planner lists them (the others are read as they are)."""
     values = graph.values
     specs: list[tuple] = []  # (sink, rows or None, start, length) of each sink read
     served: list[tuple] = []  # (read ids, and for a gather the (sizes, piece of each read))
@@ -427,10 +432,11 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], fan_outs: dict, ind
             specs.append((sink, indices.rows(gather, sum(sizes), sink.tensor), 0, 0))
             served.append((read_ids, (sizes, piece_of)))
             graph.gathers += len(read_ids)
-    for k, read in enumerate(reads):
-        kind, source = read[0], read[1]
-        if kind == "multi" or source >= first_batch or k in fanned or k in plain:
+    for k in earlier:
+        if k in fanned or k in plain:
             continue
+        read = reads[k]
+        kind, source = read[0], read[1]
         tensor = values[source]
         if not _behind_sink(tensor) or (kind == "view" and read[3] == tensor.shape[0]):
             continue  # read as it is (by _resolve), or the whole result: read in place
@@ -617,6 +623,28 @@ class _SinkReads(torch.autograd.Function):
             if grad is not None:
                 sink.add(rows, start, grad)
         return (None, None, *[sink.token.new_zeros(()) for sink in ctx.sinks])
+
+
+class _SinkRowSums(torch.autograd.Function):
+    """The rows `rows` ([n * k]) of a sink's result, summed k by k: [n, ...] (a projected
+    product's k blocks of each node, `_gather_projections`), as ONE autograd function, where
+    a sink read, its view and the sum were three (~5 us more per forward and per backward,
+    80 forwards of a parser's minibatch). The same kernels, so the same values; backward
+    expands each node's gradient to its k rows and adds them into the sink, as the sum's and
+    the view's backwards and the read's did."""
+
+    @staticmethod
+    def forward(ctx, sink, rows, n, token):
+        ctx.sink, ctx.rows = sink, rows
+        picked = sink.tensor.index_select(0, rows)
+        return picked.view(n, -1, *picked.shape[1:]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, k = grad.shape[0], ctx.rows.shape[0] // grad.shape[0]
+        ctx.sink.add(ctx.rows, 0, grad.unsqueeze(1).expand(n, k, *grad.shape[1:])
+                     .reshape(n * k, *grad.shape[1:]))
+        return None, None, None, ctx.sink.token.new_zeros(())
 
 
 def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
