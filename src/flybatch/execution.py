@@ -138,8 +138,8 @@ def _run_picked(graph: "Graph", nodes: np.ndarray, head: tuple, k: int, reads: l
                 indices: "_Indices", pieces: dict[int, torch.Tensor], first_batch: int) -> bool:
     """A pick batch whose input is rows of results (of this forward or an earlier one), run as
     one index of each result (appended to graph.values): the element picked, not each node's
-    whole input, is copied. False when its read needs the general path (a piece of a fan-out, an earlier
-    forward's result behind a gradient sink)."""
+    whole input, is copied. False when its read needs the general path (a piece of a fan-out,
+    an earlier forward's result behind a gradient sink)."""
     read = reads[k]
     parts, inverse = (read[1], read[2]) if read[0] == "multi" else ((k,), None)
     if any(p in pieces or reads[p][0] == "multi" or
