@@ -10,9 +10,11 @@ each one's length, and returns the h of every step [B, T, H], zeros past each en
   at step t is a prefix of the one at t - 1 (a PackedSequence's time-major layout), so nothing
   runs past a sequence's end and there is one call for any mix of lengths. The input
   projection of all steps is ONE GEMM; per step, one product of the active prefix's h with
-  W_hh added to its gates and the gates' elementwise work; backward per step one pass in the
-  core (csrc/lstm.cpp) and one GEMM for dh, then dW_hh, dW_ih and dX each ONE GEMM over all
-  steps (the products through `kernels.product` and `kernels.weight_gradient`).
+  W_hh added to its gates and one pass in the core (csrc/lstm.cpp) for the gates' activations,
+  c, tanh(c) and h; backward per step one pass in the core and one GEMM for dh, then dW_hh,
+  dW_ih and dX each ONE GEMM over all steps (the products through `kernels.product` and
+  `kernels.weight_gradient`). The core's float32 sigmoid and tanh are its own (vectorised,
+  within a few ulp of torch's, whose tanh costs ~2 ns an element on the benchmark machine).
 
 Where the time goes (one AMD EPYC core, 1 thread, the benchmarks' minibatches, forward +
 backward of one direction, ms, 2026-11-23): the GEMMs of the stepwise layer alone, without any
@@ -148,23 +150,22 @@ class StepwiseLSTM(torch.autograd.Function):
         packed_x = x.reshape(B * T, D).index_select(0, packing.index)
         gates = kernels.product(packed_x, w_ih, bias)  # [N, 4H], activated in place below
         N = gates.shape[0]
+        gates = gates.contiguous()  # (the core's pass reads rows of 4H)
         h, c, tanh_c = x.new_empty(N, H), x.new_empty(N, H), x.new_empty(N, H)
         offsets = packing.offsets
+        item, double = gates.element_size(), gates.dtype == torch.float64
+        a_gates, a_c, a_tanh_c, a_h = (t.data_ptr() for t in (gates, c, tanh_c, h))
         for t, rows in enumerate(packing.batch_sizes):
-            now, before = slice(offsets[t], offsets[t] + rows), slice(offsets[t - 1],
-                                                                      offsets[t - 1] + rows)
-            a = gates[now]
+            row = offsets[t]
             if t:
+                before = slice(offsets[t - 1], offsets[t - 1] + rows)
+                a = gates[row:row + rows]
                 a[:] = kernels.product(h[before], w_hh, add=a)
-            a[:, :2 * H].sigmoid_()
-            a[:, 2 * H:3 * H].tanh_()
-            a[:, 3 * H:].sigmoid_()
-            i, f, g, o = a[:, :H], a[:, H:2 * H], a[:, 2 * H:3 * H], a[:, 3 * H:]
-            if t:
-                torch.mul(f, c[before], out=c[now]).addcmul_(i, g)
-            else:
-                torch.mul(i, g, out=c[now])
-            torch.mul(o, torch.tanh(c[now], out=tanh_c[now]), out=h[now])
+            # The gates activated in place, c, tanh(c) and h: one pass in the core.
+            _core.lstm_forward_step(a_gates + row * 4 * H * item,
+                                    a_c + offsets[t - 1] * H * item if t else 0,
+                                    a_c + row * H * item, a_tanh_c + row * H * item,
+                                    a_h + row * H * item, rows, H, double)
         ctx.packing = packing
         ctx.save_for_backward(packed_x, w_ih, w_hh, gates, c, tanh_c, h)
         return x.new_zeros(B * T, H).index_copy_(0, packing.index, h).view(B, T, H)
