@@ -134,14 +134,19 @@ HELD_BACK = {
 }
 
 
-@pytest.mark.parametrize("name, size, seed", HELD_BACK)
-def test_climbs_that_hold_a_signature_back_lower_the_launches(name, size, seed):
+def auto_launches(name: str, size: int, seed: int) -> int:
+    """The launches of `auto` on one forward of a family's graph, as scripts/auto_launches.py."""
     fam = workloads.family(name)
     with fb.Graph(strategy="auto") as g:
         fb.esum(workloads.build(fb, fam, workloads.make_params(),
                                 workloads.instances(fam, size, seed)))
         g.forward()
-        assert g.stats().batches == HELD_BACK[name, size, seed]
+        return g.stats().batches
+
+
+@pytest.mark.parametrize("name, size, seed", HELD_BACK)
+def test_climbs_that_hold_a_signature_back_lower_the_launches(name, size, seed):
+    assert auto_launches(name, size, seed) == HELD_BACK[name, size, seed]
 
 
 # Graphs of scripts/auto_launches.py that the list schedules running productive signatures first
@@ -163,12 +168,7 @@ PRODUCTIVE = {
 
 @pytest.mark.parametrize("name, size, seed", PRODUCTIVE)
 def test_productive_list_schedules_and_compaction_lower_the_launches(name, size, seed):
-    fam = workloads.family(name)
-    with fb.Graph(strategy="auto") as g:
-        fb.esum(workloads.build(fb, fam, workloads.make_params(),
-                                workloads.instances(fam, size, seed)))
-        g.forward()
-        assert g.stats().batches == PRODUCTIVE[name, size, seed]
+    assert auto_launches(name, size, seed) == PRODUCTIVE[name, size, seed]
 
 
 def test_the_tight_bound_of_a_child_sum_tree_lstm_is_its_optimum():
