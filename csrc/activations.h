@@ -5,6 +5,7 @@
 // ulp of torch's (tanh 1.5 ulp of float64 at most, torch's 0.5).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -75,6 +76,10 @@ inline float tanh(float x) {
   const float small = x - x * x2 * p;
   return select(a < 0.55f, small, select(x < 0.0f, -big, big));
 }
+
+// float64: the library's functions (the passes' float64 loops stay scalar).
+inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+inline double tanh(double x) { return std::tanh(x); }
 
 }  // namespace activations
 }  // namespace flybatch

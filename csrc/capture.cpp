@@ -396,9 +396,7 @@ PyObject* append_planned_binding(PyObject*, PyObject* const* argv, Py_ssize_t ar
   return guarded([&]() -> PyObject* {
     if (argc != 3 || !PyObject_TypeCheck(argv[0], &StoreType))
       raise(PyExc_TypeError, "append_planned(graph, plan, nodes: tuple)");
-    Store* g = reinterpret_cast<Store*>(argv[0]);
-    check_open(g);
-    return append_planned(argv[0], argv[1], argv[2]);
+    return append_planned(argv[0], argv[1], argv[2]);  // (which checks the graph is open)
   });
 }
 
@@ -1055,9 +1053,8 @@ PyObject* planned(PyObject* func, PyObject* args, PyObject* kwargs) {
       SmallInts<8> nodes;
       std::size_t next_index = 0;
       for (std::size_t k = 0; k < form.nodes.size(); ++k)
-        nodes.push(form.nodes[k] == kDeferredNode
-                            ? add_index_input(graph, indices[next_index++])
-                            : form.nodes[k]);
+        nodes.push(form.nodes[k] == kDeferredNode ? add_index_input(graph, indices[next_index++])
+                                                  : form.nodes[k]);
       return append_planned(g, known.plan, nodes.data(), nodes.size());
     }
   }
@@ -1182,9 +1179,7 @@ PyObject* s_norm_type = nullptr;        // "norm_type"
 PyObject* s_scale_grad_by_freq = nullptr;  // "scale_grad_by_freq"
 PyObject* s_sparse = nullptr;           // "sparse"
 
-// The lookup node of `row` of `table` for an index of shape `index_shape` (a tuple): as
-// `fb.lookup` for a 0-d index, else a node of shape `index_shape + (columns,)`.
-// The (rows, cols) of embedding table `table` (a ShapeError where it is no matrix).
+// The (rows, cols) of embedding table `table` (a TypeError where it is no matrix).
 std::pair<i64, i64> table_size(PyObject* table) {
   Owned size{PyObject_GetAttr(table, s_shape_attr)};
   Owned dims{PySequence_Tuple(size.get())};
@@ -1206,6 +1201,8 @@ PyObject* lookup_row(Store* g, PyObject* table, std::pair<i64, i64> size, i64 ro
                      index_dims, n_index);
 }
 
+// The lookup node of `row` of `table` for an index of shape `index_shape` (a tuple): as
+// `fb.lookup` for a 0-d index, else a node of shape `index_shape + (columns,)`.
 PyObject* lookup_rows(PyObject* graph, PyObject* table, PyObject* row, PyObject* index_shape,
                       bool sparse) {
   if (!PyObject_TypeCheck(graph, &StoreType))

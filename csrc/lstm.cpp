@@ -10,17 +10,15 @@
 #include "activations.h"
 #include "store.h"
 
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 namespace flybatch {
 
 namespace {
 
-inline float sigmoid_of(float x) { return activations::sigmoid(x); }
-inline float tanh_of(float x) { return activations::tanh(x); }
-inline double sigmoid_of(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-inline double tanh_of(double x) { return std::tanh(x); }
+using activations::sigmoid;  // float32 vectorisable, float64 the library's
+using activations::tanh;
 
 // One row of a step's forward; hidden size H, torch's gate order (i, f, g, o): the gates'
 // pre-activations (x W_ih^T + b + h_prev W_hh^T) are overwritten by their activations (the
@@ -33,14 +31,14 @@ inline void forward_row(T* __restrict a, const T* __restrict cp, T* __restrict c
   T* f = a + H;
   T* g = f + H;
   T* o = g + H;
-  for (std::int64_t j = 0; j < 2 * H; ++j) i[j] = sigmoid_of(i[j]);  // i and f
+  for (std::int64_t j = 0; j < 2 * H; ++j) i[j] = sigmoid(i[j]);  // i and f
   for (std::int64_t j = 0; j < H; ++j) {
-    g[j] = tanh_of(g[j]);
-    o[j] = sigmoid_of(o[j]);
+    g[j] = tanh(g[j]);
+    o[j] = sigmoid(o[j]);
   }
   for (std::int64_t j = 0; j < H; ++j) {
     c[j] = first ? i[j] * g[j] : f[j] * cp[j] + i[j] * g[j];
-    tc[j] = tanh_of(c[j]);
+    tc[j] = tanh(c[j]);
     h[j] = o[j] * tc[j];
   }
 }
@@ -99,57 +97,52 @@ __attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3"))) voi
   }
 }
 
-// The addresses of args[0..5] as T*, then one backward_step; a Python error when an
-// argument is not an int.
-template <typename T>
-bool run_step(PyObject* const* args, std::int64_t rows, std::int64_t H) {
-  T* p[6];
-  for (int k = 0; k < 6; ++k) p[k] = reinterpret_cast<T*>(PyLong_AsVoidPtr(args[k]));
-  if (PyErr_Occurred()) return false;
-  backward_step<T>(p[0], p[1], p[2], p[3], p[4], p[5], rows, H);
-  return true;
-}
-
-template <typename T>
-bool run_forward_step(PyObject* const* args, std::int64_t rows, std::int64_t H) {
-  T* p[5];
-  for (int k = 0; k < 5; ++k) p[k] = reinterpret_cast<T*>(PyLong_AsVoidPtr(args[k]));
-  if (PyErr_Occurred()) return false;
-  forward_step<T>(p[0], p[1], p[2], p[3], p[4], rows, H);
-  return true;
+// A step's binding: `kTensors` addresses of contiguous tensors of one dtype, then rows, H and
+// is_double; `run(T{}, p, rows, H)` runs the step of T (float or double) on the addresses `p`.
+// NULL with a Python error where an argument is wrong.
+template <std::size_t kTensors, typename Run>
+PyObject* step_binding(const char* name, PyObject* const* args, Py_ssize_t n, Run run) {
+  if (n != static_cast<Py_ssize_t>(kTensors + 3)) {
+    PyErr_Format(PyExc_TypeError, "%s takes %d arguments", name, static_cast<int>(kTensors + 3));
+    return nullptr;
+  }
+  void* p[kTensors];
+  for (std::size_t k = 0; k < kTensors; ++k) p[k] = PyLong_AsVoidPtr(args[k]);
+  const std::int64_t rows = PyLong_AsLongLong(args[kTensors]);
+  const std::int64_t H = PyLong_AsLongLong(args[kTensors + 1]);
+  const int is_double = PyObject_IsTrue(args[kTensors + 2]);
+  if (PyErr_Occurred()) return nullptr;
+  if (is_double) {
+    run(double{}, p, rows, H);
+  } else {
+    run(float{}, p, rows, H);
+  }
+  Py_RETURN_NONE;
 }
 
 // lstm_forward_step(gates, c_prev, c, tanh_c, h, rows, H, is_double): addresses of contiguous
 // tensors of one dtype (c_prev 0 for the first step); see forward_step.
 PyObject* lstm_forward_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n != 8) {
-    PyErr_SetString(PyExc_TypeError, "lstm_forward_step takes 8 arguments");
-    return nullptr;
-  }
-  const std::int64_t rows = PyLong_AsLongLong(args[5]);
-  const std::int64_t H = PyLong_AsLongLong(args[6]);
-  const int is_double = PyObject_IsTrue(args[7]);
-  if (PyErr_Occurred()) return nullptr;
-  const bool ok = is_double ? run_forward_step<double>(args, rows, H)
-                            : run_forward_step<float>(args, rows, H);
-  if (!ok) return nullptr;
-  Py_RETURN_NONE;
+  return step_binding<5>("lstm_forward_step", args, n,
+                         [](auto zero, void* const* p, std::int64_t rows, std::int64_t H) {
+                           using T = decltype(zero);
+                           forward_step<T>(static_cast<T*>(p[0]), static_cast<T*>(p[1]),
+                                           static_cast<T*>(p[2]), static_cast<T*>(p[3]),
+                                           static_cast<T*>(p[4]), rows, H);
+                         });
 }
 
 // lstm_backward_step(acts, tanh_c, c_prev, dh, dc, dgates, rows, H, is_double): addresses of
 // contiguous tensors of one dtype (c_prev 0 for the first step); see backward_step.
 PyObject* lstm_backward_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n != 9) {
-    PyErr_SetString(PyExc_TypeError, "lstm_backward_step takes 9 arguments");
-    return nullptr;
-  }
-  const std::int64_t rows = PyLong_AsLongLong(args[6]);
-  const std::int64_t H = PyLong_AsLongLong(args[7]);
-  const int is_double = PyObject_IsTrue(args[8]);
-  if (PyErr_Occurred()) return nullptr;
-  const bool ok = is_double ? run_step<double>(args, rows, H) : run_step<float>(args, rows, H);
-  if (!ok) return nullptr;
-  Py_RETURN_NONE;
+  return step_binding<6>("lstm_backward_step", args, n,
+                         [](auto zero, void* const* p, std::int64_t rows, std::int64_t H) {
+                           using T = decltype(zero);
+                           backward_step<T>(static_cast<T*>(p[0]), static_cast<T*>(p[1]),
+                                            static_cast<T*>(p[2]), static_cast<T*>(p[3]),
+                                            static_cast<T*>(p[4]), static_cast<T*>(p[5]), rows,
+                                            H);
+                         });
 }
 
 PyMethodDef kLstmMethods[] = {

@@ -577,12 +577,11 @@ PyObject* lookup(Rule* rule, PyObject* const* argv, std::size_t argc) {
   if (!(0 <= i && i < rows))
     raise(PyExc_IndexError, "lookup: index %lld out of range for a table of %lld rows",
           static_cast<long long>(i), static_cast<long long>(rows));
-  if (known == g->table_shapes->end()) {
-    lookup_tag(g, table);  // (held by the tag)
-    g->table_shapes->emplace(table, table_size);
-  }
-  return lookup_node(g, rule->code, table, cols, i, is_sparse,
-                     options == no_options ? nullptr : options, nullptr, 0);
+  PyObject* out = lookup_node(g, rule->code, table, cols, i, is_sparse,
+                              options == no_options ? nullptr : options, nullptr, 0);
+  // (remembered once the graph holds the table: lookup_node made its tag)
+  if (known == g->table_shapes->end()) g->table_shapes->emplace(table, table_size);
+  return out;
 }
 
 }  // namespace

@@ -836,13 +836,11 @@ PyObject* store_forget(PyObject* self, PyObject* tensor) {
 }
 
 PyObject* store_set_node_dtype(PyObject* self, PyObject* args) {
-  long long node;
-  PyObject* dtype;
-  if (!PyArg_ParseTuple(args, "LO:set_node_dtype", &node, &dtype)) return nullptr;
+  PyObject *node, *dtype;
+  if (!PyArg_ParseTuple(args, "OO:set_node_dtype", &node, &dtype)) return nullptr;
   Store* s = as_store(self);
   return guarded([&]() -> PyObject* {
-    if (node < 0 || node >= n_nodes(s)) raise(PyExc_IndexError, "node %lld is not in this graph", node);
-    set_node_dtype(s, node, dtype);
+    set_node_dtype(s, node_arg(s, node), dtype);
     Py_RETURN_NONE;
   });
 }
@@ -850,13 +848,12 @@ PyObject* store_set_node_dtype(PyObject* self, PyObject* args) {
 // Graph.parameter_view_node's node of `tensor[part]` for an int `part`, for the capture to find
 // without Python (capture.cpp's known_parameter_part); the graph holds the tensor until close.
 PyObject* store_remember_part(PyObject* self, PyObject* args) {
-  PyObject* tensor;
-  long long part, node;
-  if (!PyArg_ParseTuple(args, "OLL:remember_part", &tensor, &part, &node)) return nullptr;
+  PyObject *tensor, *node;
+  long long part;
+  if (!PyArg_ParseTuple(args, "OLO:remember_part", &tensor, &part, &node)) return nullptr;
   Store* s = as_store(self);
   return guarded([&]() -> PyObject* {
-    if (node < 0 || node >= n_nodes(s)) raise(PyExc_IndexError, "node %lld is not in this graph", node);
-    (*s->parameter_parts)[tensor].emplace_back(part, node);
+    (*s->parameter_parts)[tensor].emplace_back(part, node_arg(s, node));
     Py_RETURN_NONE;
   });
 }

@@ -33,13 +33,9 @@ namespace flybatch {
 
 namespace {
 
-// ---- float32: the vectorisable functions of activations.h -------------------------------------
+// float32 vectorisable, float64 the library's (activations.h)
 using activations::sigmoid;
 using activations::tanh;
-
-// ---- float64: the library's functions ----------------------------------------------------------
-inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-inline double tanh(double x) { return std::tanh(x); }
 
 // A child's c (forward, backward) and where its dc goes (backward): row r at base + r * stride
 // (stride 0: one row shared by every node of the launch).

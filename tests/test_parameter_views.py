@@ -92,4 +92,3 @@ def test_an_int_index_and_the_same_index_as_a_tuple_are_one_node():
         assert U[1].id == U[(1,)].id == U[1].id != U[0].id
         assert U[True].shape == (1, 2, 3, 3)  # a bool is no int index: torch adds a dim
         torch.testing.assert_close(U[1].value(), U.detach()[1])
-
