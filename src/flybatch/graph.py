@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from . import _core, execution, projection, scheduling, signatures
+from . import _core, execution, projection, scheduling, signatures, weight_grads
 from .errors import GraphError, ShapeError
 
 Shape = tuple[int, ...]
@@ -311,6 +311,8 @@ class Graph(_core.Store):
         # Projections of earlier results by shared weights (projection.py): what a product of a
         # concat of such results reads instead of multiplying.
         self.projections = projection.Projections()
+        # The shared weights' gradients, each deferred to one product (weight_grads.py).
+        self.weight_grads: dict[tuple, Any] = {}
         # Nodes whose backward ran without `retain_graph=True`: a second one raises, as eagerly
         # (it would silently add the gradients again; see `backward`).
         self.backward_done: set[int] = set()
@@ -711,7 +713,8 @@ class Graph(_core.Store):
                 # autocast region asked (calls recorded inside one raise). Kernels are plain
                 # torch: the capture of torch calls (capture/) is off (first, so that
                 # switching grad mode on is not itself dispatched to it).
-                with torch._C.DisableTorchFunction(), self._kernel_modes():
+                with torch._C.DisableTorchFunction(), self._kernel_modes(), \
+                        weight_grads.deferring(self.weight_grads):
                     execution.run(self, schedule)
                 self.seconds["forward"] += time.perf_counter() - t1
             except BaseException:
@@ -931,6 +934,7 @@ class Graph(_core.Store):
         self.padded = set()
         self.sinks = {}
         self.projections = projection.Projections()
+        self.weight_grads = {}
         self._leaf_nodes = {}
         self.row_views = {}
         self.tags = {}

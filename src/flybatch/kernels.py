@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import weight_grads
+
 
 class KernelChoice:
     """Which implementation a family of kernels runs, one of `choices`: forced by the user
@@ -339,17 +341,47 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db
 
 
+class _DeferredLinear(torch.autograd.Function):
+    """`x @ w.T + b` for the weight of a WeightGrad (weight_grads.py), `w` = `wg.weight`,
+    which is not an input: the launch's edge towards it is the WeightGrad's token, so backward
+    evaluates no node per launch on the way to the weight. Backward computes dX and db and
+    hands (dY, X) to the WeightGrad, which computes dW once for all launches."""
+
+    @staticmethod
+    def forward(ctx, x, b, token, wg, fast):
+        w = wg.weight
+        ctx.save_for_backward(x, w)  # w too: a write to it before backward raises, as eagerly
+        ctx.wg, ctx.fast = wg, fast
+        return _onednn_bucketed(x, w, b) if fast else F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = db = None
+        if ctx.needs_input_grad[0]:  # (a double backward differentiates torch's product)
+            dx = product(dy, w.t()) if ctx.fast and not torch.is_grad_enabled() else dy.mm(w)
+        if ctx.needs_input_grad[1]:
+            db = dy.sum(0)
+        ctx.wg.add(dy, x)
+        return dx, db, None, None, None
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            model_flops: bool = True) -> torch.Tensor:
     """`x @ w.T + b` for a batch `x` [m, k] and a shared weight `w` [n, k], on the faster path,
-    under autograd. `model_flops=False`: a product the model did not write (projection.py's,
-    which counts the model's products it replaces instead), left out of `flops`."""
+    under autograd; inside a graph's execution with the weight's gradient deferred to one
+    product over all launches (weight_grads.py). `model_flops=False`: a product the model did
+    not write (projection.py's, which counts the model's products it replaces instead), left
+    out of `flops`."""
     if model_flops:
         flops.add(x.shape[0] * w.shape[0], x.shape[1], x, w)
-    if not _takes_onednn(x, w):
-        gemm_counts["default"] += 1
+    fast = _takes_onednn(x, w)
+    gemm_counts["onednn" if fast else "default"] += 1
+    wg = weight_grads.weight_grad_of(w) if x.dim() == 2 else None
+    if wg is not None:
+        return weight_grads.apply_function(_DeferredLinear, x, b, wg.token, wg, fast)
+    if not fast:
         return F.linear(x, w, b)
-    gemm_counts["onednn"] += 1
     grad = torch.is_grad_enabled() and (
         x.requires_grad or w.requires_grad or b is not None and b.requires_grad)
     return _Linear.apply(x, w, b) if grad else _onednn_bucketed(x, w, b)

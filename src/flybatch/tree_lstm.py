@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _core, kernels
+from . import _core, kernels, weight_grads
 
 TREE_LSTM_PATHS = ("fused", "torch")
 tree_lstm_counts: dict[str, int] = {"fused": 0, "torch": 0}
@@ -72,13 +72,43 @@ def fused(*tensors: torch.Tensor) -> bool:
 
 # The launches' parameters are batches of one ([1, ...]), as kernels get them: the Functions
 # take them so, and index the parameter inside their forward (a squeeze outside would be one
-# more autograd node per parameter and launch: 72 a step of the treelstm benchmark).
+# more autograd node per parameter and launch: 72 a step of the treelstm benchmark). Inside a
+# graph's execution a weight's gradient is deferred to one product over all launches
+# (weight_grads.py): the Function then gets the WeightGrad's token in the weight's place.
+def _slots(*weights: torch.Tensor | None) -> tuple[list, tuple]:
+    """Each weight's argument for a Function and its WeightGrad: (token, WeightGrad) where its
+    gradient is deferred, else (the weight, None)."""
+    args, grads = [], []
+    for w in weights:
+        wg = None if w is None else weight_grads.weight_grad_of(w)
+        args.append(w if wg is None else wg.token)
+        grads.append(wg)
+    return args, tuple(grads)
+
+
+def _weight(arg: torch.Tensor | None, wg) -> torch.Tensor | None:
+    """In a forward: the matrix of a weight argument (`_slots`), its batch of one indexed."""
+    return None if arg is None else (arg if wg is None else wg.weight)[0]
+
+
+def _weight_gradient(wg, need: bool, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """In a backward: a weight's gradient dY^T X as a batch of one, or None where it is not
+    needed or is deferred (handed to its WeightGrad, which computes it once for all launches)."""
+    if not need:
+        return None
+    if wg is not None:
+        wg.add(dy, x, (0,))
+        return None
+    return kernels.weight_gradient(dy, x).unsqueeze(0)
+
+
 
 
 def leaf(x: torch.Tensor, w_iou: torch.Tensor, b_iou: torch.Tensor) -> torch.Tensor:
     """A launch of the leaf (`Leaf`), its product counted in `kernels.flops`."""
     kernels.flops.add(x.shape[0] * w_iou.shape[1], x.shape[1], x, w_iou)
-    return Leaf.apply(x, w_iou, b_iou)
+    (w_arg,), grads = _slots(w_iou)
+    return Leaf.apply(x, w_arg, b_iou, grads)
 
 
 def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tensor,
@@ -96,7 +126,8 @@ def nary(hcs: Sequence[torch.Tensor], x: torch.Tensor | None, u_iou: torch.Tenso
         kernels.flops.add(rows * w_iou.shape[1], w_iou.shape[2], x, w_iou)
         if x.shape[0] != rows:  # one node input that every node reads
             x = x.expand(rows, -1)
-    return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, *map(_rows_of_columns, hcs))
+    (u_iou, u_f, w_iou), grads = _slots(u_iou, u_f, w_iou)
+    return Nary.apply(x, u_iou, u_f, b_iou, b_f, w_iou, grads, *map(_rows_of_columns, hcs))
 
 
 def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
@@ -112,8 +143,8 @@ def child_sum(x: torch.Tensor, hc: torch.Tensor | None, lengths: np.ndarray,
         kernels.flops.add(rows * w.shape[1], w.shape[2], operand, w)
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     node = torch.repeat_interleave(torch.arange(B), torch.from_numpy(lengths))
-    return ChildSum.apply(offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f,
-                          _rows_of_columns(hc))
+    weights, grads = _slots(w_iou, u_iou, w_f, u_f)
+    return ChildSum.apply(offsets, node, x, *weights, b_iou, b_f, grads, _rows_of_columns(hc))
 
 
 def _batch_of_one(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -167,15 +198,17 @@ def _gradients(grad: torch.Tensor, iou: torch.Tensor, f: torch.Tensor | None,
 
 
 class Leaf(torch.autograd.Function):
-    """`apply(x [B, D], W_iou [1, 3H, D], b_iou [1, 3H])`: the leaf's `[h; c]` [B, 2H], with
-    c = sigmoid(i) * tanh(u), h = sigmoid(o) * tanh(c). Saved: x, the gates, tanh(c)."""
+    """`apply(x [B, D], W_iou [1, 3H, D], b_iou [1, 3H], grads)`: the leaf's `[h; c]` [B, 2H],
+    with c = sigmoid(i) * tanh(u), h = sigmoid(o) * tanh(c); `grads`: W_iou's WeightGrad or
+    None (`_slots`). Saved: x, the gates, tanh(c)."""
 
     @staticmethod
-    def forward(ctx, x, w_iou, b_iou):
-        w_iou, b_iou = w_iou[0], b_iou[0]
+    def forward(ctx, x, w_iou, b_iou, grads=(None,)):
+        w_iou, b_iou = _weight(w_iou, grads[0]), b_iou[0]
         iou = kernels.product(x, w_iou)
         out, tanh_c = _activate(iou, b_iou.contiguous(), None, None, ())
         ctx.save_for_backward(x, w_iou, iou, tanh_c)
+        ctx.grads = grads
         return out
 
     @staticmethod
@@ -183,22 +216,23 @@ class Leaf(torch.autograd.Function):
     def backward(ctx, grad):
         x, w_iou, iou, tanh_c = ctx.saved_tensors
         d_iou, _, db_iou, _, _ = _gradients(grad, iou, None, tanh_c, ())
-        need_x, need_w, need_b = ctx.needs_input_grad
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = kernels.product(d_iou, w_iou.t()) if need_x else None
-        dw = kernels.weight_gradient(d_iou, x) if need_w else None
-        return dx, _batch_of_one(dw), _batch_of_one(db_iou if need_b else None)
+        dw = _weight_gradient(ctx.grads[0], need_w, d_iou, x)
+        return dx, dw, _batch_of_one(db_iou if need_b else None), None
 
 
 class Nary(torch.autograd.Function):
     """`apply(x or None, U_iou [1, 3H, N H], U_f [1, N, H, H], b_iou [1, 3H], b_f [1, H],
-    W_iou [1, 3H, D] or None, *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the children's
-    `[h; c]` (each [B, 2H], or [1, 2H]: one child every node reads), with the node inputs
-    x [B, D] if given."""
+    W_iou [1, 3H, D] or None, grads, *hcs)`: the N-ary cell's `[h; c]` [B, 2H] over the
+    children's `[h; c]` (each [B, 2H], or [1, 2H]: one child every node reads), with the node
+    inputs x [B, D] if given; `grads`: the WeightGrads of U_iou, U_f, W_iou or None
+    (`_slots`)."""
 
     @staticmethod
-    def forward(ctx, x, u_iou, u_f, b_iou, b_f, w_iou, *hcs):
-        u_iou, u_f, b_iou, b_f = u_iou[0], u_f[0], b_iou[0], b_f[0]
-        w_iou = None if w_iou is None else w_iou[0]
+    def forward(ctx, x, u_iou, u_f, b_iou, b_f, w_iou, grads, *hcs):
+        u_iou, u_f, w_iou = (_weight(w, wg) for w, wg in zip((u_iou, u_f, w_iou), grads))
+        b_iou, b_f = b_iou[0], b_f[0]
         n, H = len(hcs), u_f.shape[-1]
         rows = max(t.shape[0] for t in (*hcs, *([] if x is None else [x])))
         children = torch.cat([hc[:, :H].expand(rows, H) for hc in hcs], 1,
@@ -209,6 +243,7 @@ class Nary(torch.autograd.Function):
                          for k in range(n)])  # [N, B, H]
         out, tanh_c = _activate(iou, b_iou.contiguous(), f, b_f.contiguous(), hcs)
         ctx.save_for_backward(children, x, u_iou, u_f, w_iou, iou, f, tanh_c, *hcs)
+        ctx.grads = grads
         return out
 
     @staticmethod
@@ -226,25 +261,33 @@ class Nary(torch.autograd.Function):
         d_hcs = [d if hc.shape[0] == d.shape[0] else d.sum(0, keepdim=True)
                  for hc, d in zip(hcs, d_hcs)]
         dx = kernels.product(d_iou, w_iou.t()) if x is not None and need[0] else None
-        du_iou = kernels.weight_gradient(d_iou, children) if need[1] else None
-        du_f = torch.stack([kernels.weight_gradient(d_f[k], children[:, k * H:(k + 1) * H])
-                            for k in range(n)]) if need[2] else None
-        dw_iou = kernels.weight_gradient(d_iou, x) if x is not None and need[5] else None
-        weights = (du_iou, du_f, db_iou if need[3] else None, db_f if need[4] else None, dw_iou)
-        return (dx, *map(_batch_of_one, weights), *d_hcs)
+        grads = ctx.grads
+        du_iou = _weight_gradient(grads[0], need[1], d_iou, children)
+        du_f = None
+        if need[2]:  # each child's U_f[k]: d_f[k]^T h_k
+            parts = [(d_f[k], children[:, k * H:(k + 1) * H]) for k in range(n)]
+            if grads[1] is not None:
+                for k, (dy, h) in enumerate(parts):
+                    grads[1].add(dy, h, (0, k))
+            else:
+                du_f = torch.stack([kernels.weight_gradient(dy, h) for dy, h in parts])[None]
+        dw_iou = _weight_gradient(grads[2], x is not None and need[5], d_iou, x)
+        biases = (db_iou if need[3] else None, db_f if need[4] else None)
+        return (dx, du_iou, du_f, *map(_batch_of_one, biases), dw_iou, None, *d_hcs)
 
 
 class ChildSum(torch.autograd.Function):
-    """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f (each [1, ...]), hc)`:
-    the child-sum cell's `[h; c]` [B, 2H], node r's children the rows
+    """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f (each [1, ...]), grads,
+    hc)` (`grads`: the four weights' WeightGrads or None, `_slots`): the child-sum cell's `[h; c]` [B, 2H], node r's children the rows
     offsets[r]..offsets[r + 1] - 1 of `hc` [M, 2H] (or [1, 2H]: one row every child is), `node`
     the node of each child:
         i, o, u from W_iou x + U_iou sum_m h_m + b_iou;  f_m = sigmoid(W_f x + U_f h_m + b_f).
     Saved: x, the sum of each node's h, the gates, tanh(c) and `hc` itself."""
 
     @staticmethod
-    def forward(ctx, offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, hc):
-        w_iou, u_iou, w_f, u_f, b_iou, b_f = (p[0] for p in (w_iou, u_iou, w_f, u_f, b_iou, b_f))
+    def forward(ctx, offsets, node, x, w_iou, u_iou, w_f, u_f, b_iou, b_f, grads, hc):
+        w_iou, u_iou, w_f, u_f = (_weight(w, wg) for w, wg in zip((w_iou, u_iou, w_f, u_f), grads))
+        b_iou, b_f = b_iou[0], b_f[0]
         B, M, H = x.shape[0], node.shape[0], u_f.shape[-1]
         h = hc[:, :H].expand(M, H)
         h_sum = h.new_zeros(B, H).index_add_(0, node, h)
@@ -258,6 +301,7 @@ class ChildSum(torch.autograd.Function):
             iou.dtype == torch.float64)
         ctx.save_for_backward(offsets, node, x, h_sum, w_iou, u_iou, w_f, u_f, iou, f, tanh_c,
                               hc)
+        ctx.grads = grads
         return out
 
     @staticmethod
@@ -282,10 +326,8 @@ class ChildSum(torch.autograd.Function):
             d_hc = d_hc.sum(0, keepdim=True)
         dx = kernels.product(d_fx, w_f.t(), add=kernels.product(d_iou, w_iou.t())) \
             if need[0] else None
-        dw_iou = kernels.weight_gradient(d_iou, x) if need[1] else None
-        du_iou = kernels.weight_gradient(d_iou, h_sum) if need[2] else None
-        dw_f = kernels.weight_gradient(d_fx, x) if need[3] else None
-        du_f = kernels.weight_gradient(d_f, hc[:, :H].expand(M, H)) if need[4] else None
-        weights = (dw_iou, du_iou, dw_f, du_f, db_iou if need[5] else None,
-                   db_f if need[6] else None)
-        return (None, None, dx, *map(_batch_of_one, weights), d_hc)
+        weights = zip(ctx.grads, need[1:5], (d_iou, d_iou, d_fx, d_f),
+                      (x, h_sum, x, hc[:, :H].expand(M, H)))
+        biases = (db_iou if need[5] else None, db_f if need[6] else None)
+        return (None, None, dx, *(_weight_gradient(*w) for w in weights),
+                *map(_batch_of_one, biases), None, d_hc)
