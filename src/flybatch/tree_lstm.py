@@ -8,10 +8,11 @@ x W_iou^T added in as its post-op where there is a node input; the forget gates
 all the elementwise work: biases, sigmoid and tanh, c = i*u + sum_k f_k*c_k, tanh(c), h.
 Backward is one core pass for every elementwise gradient (the pre-activations', the children's
 dc, the biases' as column sums), then the dX GEMMs (each child's dh = d_iou U_iou_k +
-d_f_k U_f[k]) and one call per weight for its dW, all through `kernels.product` and
-`kernels.weight_gradient` (oneDNN where it pays on this CPU). Saved for backward: the children's
-h side by side (dW's operand), the activated gates, tanh(c), and the children's own tensors
-(their c; no copy). Under autograd, the torch ops of the same cell were ~25 ops forward and ~20
+d_f_k U_f[k]) through `kernels.product` (oneDNN where it pays on this CPU). Each weight's
+dW = dY^T X is handed to its WeightGrad (weight_grads.py), which computes it ONCE over every
+launch of the graph (`kernels.weight_gradient`); outside a graph's execution, per launch.
+Saved for backward: the children's h side by side (dW's operand), the activated gates,
+tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of the same cell were ~25 ops forward and ~20
 autograd nodes per launch, each a pass over memory and a dispatch, and torch.tanh alone took
 2 ns an element on the benchmark machine. The child-sum cell is the same around its own
 products (the sum of each node's h by `index_add_`, then x W^T and that sum U_iou^T; every

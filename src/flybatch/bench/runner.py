@@ -17,7 +17,11 @@ and their lower bound, input copies made and avoided, nodes, plus peak memory (p
 process during the mode, the high-water mark reset per mode; on CUDA the peak allocated), and
 the achieved GFLOP/s next to the machine's GEMM peak (``flops``: the flybatch modes count their
 matrix products' FLOPs; the other modes get flybatch's count of the same minibatches).
-DyNet peers run as subprocesses in the venv of the DyNet build ``Settings.dynet`` names
+Every mode runs in a fresh Python process of its own (`run_mode_alone`), as the DyNet peers
+always have: a mode run after others in one process inherits their allocator state (the
+``none`` mode's ~25k launches a minibatch of small tensors left glibc's malloc ~2x slower:
+the parser's agenda mode trained 6-8% slower after it, 2026-11-24), and the DyNet peers
+started afresh. DyNet peers run as subprocesses in the venv of the DyNet build ``Settings.dynet`` names
 (``make peers`` installs both, see :data:`DYNET_VENVS`) with the same initial parameters
 (``--init``, from ``Task.export_spec``); their records say which DyNet ran (``dynet``).
 Results go to stdout (a progress bar on stderr) and are appended as JSON lines to ``out``.
@@ -45,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +337,58 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
     return rec
 
 
+def run_mode_alone(task_name: str, mode: str, s: Settings,
+                   flops: MinibatchFlops | None = None) -> dict[str, Any]:
+    """`run_mode` in a fresh Python process (this module run as a program), on the same data
+    (`prepare` is deterministic) and settings; the FLOPs its steps recorded are merged into
+    `flops`. Its progress bar writes to this process's stderr."""
+    program = "import sys; from flybatch.bench.runner import _mode_process; " \
+              "_mode_process(sys.argv[1:])"
+    cmd = [sys.executable, "-c", program, task_name, mode, json.dumps(asdict(s))]
+    src = str(Path(__file__).resolve().parents[2])  # the directory of this flybatch
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [src] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{task_name} {mode}: its process failed (exit {proc.returncode}); "
+                           f"its stderr is above")
+    out = json.loads(lines[-1])
+    if "error" in out:  # what run_mode raised there, raised here as the same kind
+        kind = _MODE_ERRORS.get(out["error"], RuntimeError)
+        raise kind(out["message"])
+    if flops is not None:
+        for index, count in out["flops"].items():
+            flops.record(out["record"]["mode"], int(index), count)
+    return out["record"]
+
+
+def _mode_process(argv: list[str]) -> None:
+    """The program of `run_mode_alone`: TASK MODE SETTINGS-JSON; prints one JSON line, the
+    mode's record and the FLOPs of the minibatches its steps counted."""
+    task_name, mode, settings = argv
+    s = Settings(**json.loads(settings))
+    torch.set_num_threads(s.threads)
+    torch.set_num_interop_threads(s.threads)
+    data = prepare(task_name, s.data_dir, seed=s.seed, n_synthetic=s.n_synthetic)
+    gc.collect()
+    gc.freeze()  # as run_task does
+    flops = MinibatchFlops(task_name, data, s.batch_size, s.seed, s.warmup, s.device, _shard)
+    try:
+        rec = run_mode(task_name, mode, data, s, flops)
+    except Exception as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
+        raise
+    counted = flops.known if mode in flops.recorded_by else {}
+    print(json.dumps({"record": rec, "flops": counted}), flush=True)
+
+
+# The errors of a mode's process that `run_mode_alone` raises as themselves (the benchmark's
+# main loop skips a task on these); any other as a RuntimeError with its message.
+_MODE_ERRORS = {e.__name__: e for e in (ImportError, LookupError, NotImplementedError,
+                                        ValueError, CorrectnessError)}
+
+
 def _build_split(train_step, batches, steps: int = 3) -> dict[str, float]:
     """A flybatch mode's build time per training minibatch split in two, median seconds over
     `steps` more minibatches run with flybatch's own-time clock on (`_core.measure_own_time`;
@@ -475,8 +531,10 @@ def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, An
             print(f"{mode}: skipped (not a mode of {task_name}; its modes: "
                   f"{' '.join(task_class(task_name).modes())})", flush=True)
             continue
-        else:
+        elif s.distributed:  # every rank runs its part of the mode in its own process already
             rec = run_mode(task_name, mode, data, s, flops)
+        else:
+            rec = run_mode_alone(task_name, mode, s, flops)
         rec = {**meta, **rec, **flops.result(rec, peak)}
         losses[mode] = rec["first_loss"]
         if main:
@@ -519,3 +577,4 @@ def _append(path: str, rec: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("a") as f:
         f.write(json.dumps(rec) + "\n")
+
