@@ -25,6 +25,9 @@ the mode: "auto" (the default) is the rule above, and respects `torch.backends.m
 (tests), "default" never. `gemm_counts` counts products per path, so a benchmark can
 say which one ran.
 
+Inside a graph's execution, `linear` defers a shared weight's gradient to one product over all
+the graph's launches (weight_grads.py): its Function then computes dX and hands (dY, X) on.
+
 `flops` counts the model FLOPs of the matrix products (these, the fused cells' other products,
 the batched `matmul` and attention kernels) where they run, so that a benchmark can divide a
 step's FLOPs by its time and compare with the machine's GEMM peak.

@@ -25,8 +25,10 @@ A weight may be a batch of one (`[1, n, k]`, as launches get parameters) or a st
 
 Cost: the dY and X of every launch stay alive until the weight's node runs, at most the whole
 backward (the Tree-LSTM benchmark's U_iou: ~1,200 rows x (768 + 512) numbers, 6 MB), and are
-concatenated once (rows x (n + k) numbers copied for 2 rows n k FLOPs). Measured on the
-treelstm benchmark's N-ary cell, 2026-11-24 (BENCHMARKS.md): step CPU 49.5 -> 46.5 ms.
+concatenated once (rows x (n + k) numbers copied for 2 rows n k FLOPs). Measured
+(BENCHMARKS.md, fifteenth session; step CPU, alternated, 1 thread): the treelstm task's
+backward 26.3-28.9 -> 23.8-24.3 ms (its U_iou's 17 per-level products at ~168 GFLOP/s, each
+followed by a sum into the gradient, became one of ~1,200 rows); the parser's ~1 ms.
 """
 
 from __future__ import annotations
