@@ -318,32 +318,38 @@ def _encode(B, cell, tree, words, child_sum):
     return cell([_encode(B, cell, t, words, child_sum) for t in tree], x)
 
 
+@pytest.mark.parametrize("gemm, dtype", [("default", F64), ("onednn", torch.float32)],
+                         ids=["float64", "float32-onednn"])
 @pytest.mark.parametrize("child_sum", [False, True], ids=["nary", "child-sum"])
 @pytest.mark.parametrize("path", tree_lstm.TREE_LSTM_PATHS)
-def test_a_tree_lstm_cells_weights_get_eagers_gradients_from_one_product_each(path, child_sum):
+def test_a_tree_lstm_cells_weights_get_eagers_gradients_from_one_product_each(
+        path, child_sum, gemm, dtype):
     import eager
 
-    cell = _tree_cell(child_sum)
+    cell = _tree_cell(child_sum).to(dtype)
     trees = CHILD_SUM_TREES if child_sum else TREES
     gen = torch.Generator().manual_seed(4)
-    words = [torch.randn(3, generator=gen, dtype=F64) for _ in range(6)]
+    words = [torch.randn(3, generator=gen, dtype=dtype) for _ in range(6)]
     params = list(cell.parameters())
 
     def build(B):
         blocks = cell if B is fb else eager.twin(cell)
         return [_encode(B, blocks, t, words, child_sum).h for t in trees]
 
-    before = tree_lstm.get_tree_lstm()
+    tree_before, gemm_before = tree_lstm.get_tree_lstm(), kernels.get_gemm()
     tree_lstm.set_tree_lstm(path)
+    kernels.set_gemm(gemm)  # oneDNN takes float32 products only
     try:
-        expected = eager.run(eager, "agenda", F64, build, params)
+        expected = eager.run(eager, "agenda", dtype, build, params)
         products = weight_grads.deferred_counts["products"]
-        launches = tree_lstm.tree_lstm_counts[path]
-        actual = eager.run(fb, "agenda", F64, build, params)
+        launches, onednn = tree_lstm.tree_lstm_counts[path], kernels.gemm_counts["onednn"]
+        actual = eager.run(fb, "agenda", dtype, build, params)
         assert tree_lstm.tree_lstm_counts[path] > launches  # the cells ran on `path`
+        assert (kernels.gemm_counts["onednn"] > onednn) == (gemm == "onednn")
     finally:
-        tree_lstm.set_tree_lstm(before)
-    eager.assert_same(actual, expected, F64)
+        tree_lstm.set_tree_lstm(tree_before)
+        kernels.set_gemm(gemm_before)
+    eager.assert_same(actual, expected, dtype)
     # N-ary: W_iou (leaves), U_iou, U_f[0], U_f[1]; child-sum: W_iou (leaves and nodes), U_iou,
     # W_f, U_f. One product each, however many tree levels launched the cell.
     assert weight_grads.deferred_counts["products"] - products == 4
