@@ -122,7 +122,7 @@ def markdown(records: Iterable[dict[str, Any]]) -> str:
            "machine); dynet-* modes: DyNet's graph build, the same per-instance Python "
            "included):\n",
            table(build_cell),
-           "**Peak memory** (MB: peak RSS of the process during the mode, in brackets its growth "
+           "**Peak memory** (MB: peak RSS of the mode's own process, in brackets its growth "
            "over the RSS at the mode's start; DyNet reserves its --mem pool, 1 GB):\n",
            table(memory_cell),
            "**First-minibatch loss** (the correctness line: equal across modes):\n",
