@@ -12,11 +12,12 @@ d_f_k U_f[k]) through `kernels.product` (oneDNN where it pays on this CPU). Each
 dW = dY^T X is handed to its WeightGrad (weight_grads.py), which computes it ONCE over every
 launch of the graph (`kernels.weight_gradient`); outside a graph's execution, per launch.
 Saved for backward: the children's h side by side (dW's operand), the activated gates,
-tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of the same cell were ~25 ops forward and ~20
-autograd nodes per launch, each a pass over memory and a dispatch, and torch.tanh alone took
-2 ns an element on the benchmark machine. The child-sum cell is the same around its own
-products (the sum of each node's h by `index_add_`, then x W^T and that sum U_iou^T; every
-child's h U_f^T), its pass walking each node's children.
+tanh(c), and the children's own tensors (their c; no copy). Under autograd, the torch ops of
+the same cell were ~25 ops forward and ~20 autograd nodes per launch, each a pass over memory
+and a dispatch, and torch.tanh alone took 2 ns an element on the benchmark machine. The
+child-sum cell is the same around its own products (the sum of each node's h by
+`index_add_`, then x W^T and that sum U_iou^T; every child's h U_f^T), its pass walking each
+node's children.
 
 Why not ONE product for all the gates: the forget gates read one child each (U_f[k] h_k), so a
 single [B, N H] x [N H, 3H + N H] product would multiply the off-diagonal blocks of a
@@ -101,8 +102,6 @@ def _weight_gradient(wg, need: bool, dy: torch.Tensor, x: torch.Tensor) -> torch
         wg.add(dy, x, (0,))
         return None
     return kernels.weight_gradient(dy, x).unsqueeze(0)
-
-
 
 
 def leaf(x: torch.Tensor, w_iou: torch.Tensor, b_iou: torch.Tensor) -> torch.Tensor:
@@ -279,9 +278,9 @@ class Nary(torch.autograd.Function):
 
 class ChildSum(torch.autograd.Function):
     """`apply(offsets, node, x [B, D], W_iou, U_iou, W_f, U_f, b_iou, b_f (each [1, ...]), grads,
-    hc)` (`grads`: the four weights' WeightGrads or None, `_slots`): the child-sum cell's `[h; c]` [B, 2H], node r's children the rows
-    offsets[r]..offsets[r + 1] - 1 of `hc` [M, 2H] (or [1, 2H]: one row every child is), `node`
-    the node of each child:
+    hc)` (`grads`: the four weights' WeightGrads or None, `_slots`): the child-sum cell's
+    `[h; c]` [B, 2H], node r's children the rows offsets[r]..offsets[r + 1] - 1 of `hc` [M, 2H]
+    (or [1, 2H]: one row every child is), `node` the node of each child:
         i, o, u from W_iou x + U_iou sum_m h_m + b_iou;  f_m = sigmoid(W_f x + U_f h_m + b_f).
     Saved: x, the sum of each node's h, the gates, tanh(c) and `hc` itself."""
 

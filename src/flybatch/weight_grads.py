@@ -107,12 +107,12 @@ class WeightGrad:
 def weight_grad_of(w: torch.Tensor) -> WeightGrad | None:
     """The `WeightGrad` of weight `w` in the graph whose forward runs, made at its first use
     there; None outside a graph's execution, with grad mode off, where `w` needs no gradient
-    or is small (`DEFER_MIN_ELEMENTS`). A kernel defers to it so: in its forward, `wg.token` passed to its autograd
-    Function in place of `w`; in its backward, `wg.add(dY, X, part)` in place of dW, returning
-    None for the token. `w` is a view of its tensor (a parameter's `W.unsqueeze(0)`, a stacked
-    weight's slice), keyed by that tensor and the view: launches that take the view anew share
-    one WeightGrad, whose token's history is the first one's (the same function of the same
-    tensor)."""
+    or is small (`DEFER_MIN_ELEMENTS`). A kernel defers to it so: in its forward, `wg.token`
+    passed to its autograd Function in place of `w`; in its backward, `wg.add(dY, X, part)` in
+    place of dW, returning None for the token. `w` is a view of its tensor (a parameter's
+    `W.unsqueeze(0)`, a stacked weight's slice), keyed by that tensor and the view: launches
+    that take the view anew share one WeightGrad, whose token's history is the first one's (the
+    same function of the same tensor)."""
     grads = _deferring.grads
     if grads is None or w.numel() < DEFER_MIN_ELEMENTS or not w.requires_grad \
             or not torch.is_grad_enabled():

@@ -20,8 +20,8 @@ matrix products' FLOPs; the other modes get flybatch's count of the same minibat
 Every mode runs in a fresh Python process of its own (`run_mode_alone`), as the DyNet peers
 always have: a mode run after others in one process inherits their allocator state (the
 ``none`` mode's ~25k launches a minibatch of small tensors left glibc's malloc ~2x slower:
-the parser's agenda mode trained 6-8% slower after it, 2026-11-24), and the DyNet peers
-started afresh. DyNet peers run as subprocesses in the venv of the DyNet build ``Settings.dynet`` names
+the parser's agenda mode trained 6-8% slower after it, 2026-11-24), while the DyNet peers
+started afresh. DyNet peers run in the venv of the DyNet build ``Settings.dynet`` names
 (``make peers`` installs both, see :data:`DYNET_VENVS`) with the same initial parameters
 (``--init``, from ``Task.export_spec``); their records say which DyNet ran (``dynet``).
 Results go to stdout (a progress bar on stderr) and are appended as JSON lines to ``out``.
@@ -339,8 +339,8 @@ def run_mode(task_name: str, mode: str, data: TaskData, s: Settings,
 
 def run_mode_alone(task_name: str, mode: str, s: Settings,
                    flops: MinibatchFlops | None = None) -> dict[str, Any]:
-    """`run_mode` in a fresh Python process (this module run as a program), on the same data
-    (`prepare` is deterministic) and settings; the FLOPs its steps recorded are merged into
+    """`run_mode` in a fresh Python process (`_mode_process`), on the same data (`prepare` is
+    deterministic) and settings; the FLOPs its steps recorded are merged into
     `flops`. Its progress bar writes to this process's stderr."""
     program = "import sys; from flybatch.bench.runner import _mode_process; " \
               "_mode_process(sys.argv[1:])"
@@ -577,4 +577,3 @@ def _append(path: str, rec: dict[str, Any]) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("a") as f:
         f.write(json.dumps(rec) + "\n")
-
