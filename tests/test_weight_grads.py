@@ -292,6 +292,44 @@ def test_a_hand_written_backward_hands_its_products_to_the_weights_gradient():
     _assert_equal([w.grad] + [x.grad for x in xs], want)
 
 
+class _RaisingOnce(torch.autograd.Function):
+    """The identity, whose backward raises the first time (a hook or kernel failing midway)."""
+
+    raised = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dx):
+        if not _RaisingOnce.raised:
+            _RaisingOnce.raised = True
+            raise RuntimeError("a backward that fails midway")
+        return dx
+
+
+def test_what_a_backward_that_raised_handed_in_is_not_taken_by_the_next():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 3, generator=gen, dtype=F64, requires_grad=True)
+    xs = [torch.randn(n, 3, generator=gen, dtype=F64, requires_grad=True) for n in (2, 3)]
+    sum((2 * x @ w.T).sum() for x in xs).backward()
+    want = w.grad.clone()
+    w.grad = None
+    _RaisingOnce.raised = False
+    with weight_grads.deferring({}):
+        weight_grad = weight_grads.weight_grad_of(w)  # its node: the oldest, run last
+        ys = [_Doubled.apply(_RaisingOnce.apply(x), w, weight_grad.token, weight_grad)
+              for x in xs]
+    loss = sum(y.sum() for y in ys)
+    # The launches hand in, then the failing node (newer than the weight's) raises first.
+    with pytest.raises(RuntimeError, match="fails midway"):
+        loss.backward(retain_graph=True)
+    assert w.grad is None
+    loss.backward()
+    _assert_equal([w.grad], [want])
+
+
 def test_outside_a_graphs_execution_there_is_no_weight_gradient():
     assert weight_grads.weight_grad_of(torch.zeros(2, 2, requires_grad=True)) is None
 

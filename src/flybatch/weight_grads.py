@@ -81,6 +81,23 @@ def apply_function(function: type, *args: object) -> object:
     return _c_apply.__get__(None, function)(*args)
 
 
+class _Handed:
+    """What launches handed to a WeightGrad: per matrix of the weight (`part`), their (dY, X);
+    all from one backward call, autograd's graph task `task`."""
+
+    __slots__ = ("task", "parts")
+
+    def __init__(self) -> None:
+        self.task, self.parts = -1, {}
+
+    def take(self) -> dict[tuple, list]:
+        """The pairs handed in by the backward running now, emptied for the next one (none
+        where they came from another: a backward that raised before the weight's node ran)."""
+        parts = self.parts if self.task == torch._C._current_graph_task_id() else {}
+        self.parts = {}
+        return parts
+
+
 class WeightGrad:
     """The gradient of one weight `weight` over every launch of a graph that multiplies by it,
     as one product per matrix of it (`part`): dW = [dY_1; ...]^T [X_1; ...]."""
@@ -89,19 +106,23 @@ class WeightGrad:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-        self._handed: dict[tuple, list] = {}  # part -> [(dY, X), ...] of this backward
+        self._handed = _Handed()
         self.token = apply_function(_WeightGradient, weight, self._handed)
 
     def __repr__(self) -> str:
         return (f"WeightGrad({tuple(self.weight.shape)}, "
-                f"handed={sum(map(len, self._handed.values()))})")
+                f"handed={sum(map(len, self._handed.parts.values()))})")
 
     def add(self, dy: torch.Tensor, x: torch.Tensor, part: tuple = ()) -> None:
         """Hand in a launch's output gradient dY [m, n] and input X [m, k] for the matrix
         `weight[part]` [n, k], from the launch's backward; this backward's WeightGrad node adds
         dY^T X to that matrix's gradient."""
-        if torch._C._will_engine_execute_node(self.token.grad_fn):
-            self._handed.setdefault(part, []).append((dy, x))
+        if not torch._C._will_engine_execute_node(self.token.grad_fn):
+            return
+        handed, task = self._handed, torch._C._current_graph_task_id()
+        if handed.task != task:  # left by an earlier backward that raised: not this one's
+            handed.task, handed.parts = task, {}
+        handed.parts.setdefault(part, []).append((dy, x))
 
 
 def weight_grad_of(w: torch.Tensor) -> WeightGrad | None:
@@ -142,11 +163,9 @@ class _WeightGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        handed = ctx.handed
-        if not handed:
+        parts = list(ctx.handed.take().items())  # a second backward hands in afresh
+        if not parts:
             return None, None
-        parts = list(handed.items())
-        handed.clear()  # a second backward (retain_graph=True) hands in afresh
         fast = not torch.is_grad_enabled()  # else differentiable products (create_graph)
         products = []
         for part, pairs in parts:
