@@ -230,7 +230,7 @@ def _gather_projections(graph: "Graph", nodes: np.ndarray, joined, rows: np.ndar
     if table.requires_grad and table.numel() >= SINK_MIN_ELEMENTS:
         if joined.sink is None:
             joined.sink = _GradientSink(table)
-        summed = _apply(_SinkRowSums, joined.sink, rows, n, joined.sink.token)
+        summed = kernels.apply_function(_SinkRowSums, joined.sink, rows, n, joined.sink.token)
     else:
         summed = table.index_select(0, rows).view(n, -1, out).sum(1)
     graph.gathers += 1
@@ -450,7 +450,7 @@ def _read_earlier_results(graph: "Graph", reads: list[Read], earlier: tuple[int,
     if not specs:
         return
     sinks = list({id(spec[0]): spec[0] for spec in specs}.values())
-    outputs = _apply(_SinkReads, specs, sinks, *[sink.token for sink in sinks])
+    outputs = kernels.apply_function(_SinkReads, specs, sinks, *[sink.token for sink in sinks])
     for output, (read_ids, split) in zip(outputs, served):
         if split is None:
             for k in read_ids:
@@ -590,19 +590,6 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         return ctx.sink.take(), None
-
-
-# `Function.apply` less its Python layers (capture/generic.py's check of every argument for an
-# expression, then torch's default-argument and functorch checks): the C apply itself, which
-# is what those layers call for a Function without `setup_context` when no functorch transform
-# is active. A sink read is one apply per forward; the layers cost a fifth of it.
-_c_apply = torch._C._FunctionBase.__dict__["apply"]
-
-
-def _apply(function: type, *args: object) -> object:
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _c_apply.__get__(None, function)(*args)
 
 
 class _SinkReads(torch.autograd.Function):

@@ -46,6 +46,21 @@ import torch.nn.functional as F
 from . import weight_grads
 
 
+# `Function.apply` less its Python layers (capture/generic.py's check of every argument for an
+# expression, then torch's default-argument and functorch checks): the C apply itself, which
+# is what those layers call for a Function without `setup_context` when no functorch transform
+# is active. Kernels apply a Function per launch (a sink read, a deferred product); the layers
+# cost a fifth of it.
+_c_apply = torch._C._FunctionBase.__dict__["apply"]
+
+
+def apply_function(function: type, *args: object) -> object:
+    """`function.apply(*args)`, through the C apply where no functorch transform is active."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _c_apply.__get__(None, function)(*args)
+
+
 class KernelChoice:
     """Which implementation a family of kernels runs, one of `choices`: forced by the user
     (`set`, or the environment variable `variable` at import) or "auto", the library's rule.
@@ -391,7 +406,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     gemm_counts["onednn" if fast else "default"] += 1
     wg = weight_grads.weight_grad_of(w) if x.dim() == 2 else None
     if wg is not None:
-        return weight_grads.apply_function(_DeferredLinear, x, b, wg.token, wg, fast)
+        return apply_function(_DeferredLinear, x, b, wg.token, wg, fast)
     if not fast:
         return F.linear(x, w, b)
     grad = torch.is_grad_enabled() and (

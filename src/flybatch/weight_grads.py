@@ -68,19 +68,6 @@ def deferring(grads: dict) -> Iterator[None]:
         _deferring.grads = outer
 
 
-# `Function.apply` less torch's Python layers (default-argument and functorch checks): the C
-# apply itself, which those layers call for a Function without `setup_context` when no
-# functorch transform is active (execution.py's sink reads use the same).
-_c_apply = torch._C._FunctionBase.__dict__["apply"]
-
-
-def apply_function(function: type, *args: object) -> object:
-    """`function.apply(*args)`, through the C apply where no functorch transform is active."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _c_apply.__get__(None, function)(*args)
-
-
 class _Handed:
     """What launches handed to a WeightGrad: per matrix of the weight (`part`), their (dY, X);
     all from one backward call, autograd's graph task `task`."""
@@ -107,7 +94,7 @@ class WeightGrad:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self._handed = _Handed()
-        self.token = apply_function(_WeightGradient, weight, self._handed)
+        self.token = kernels.apply_function(_WeightGradient, weight, self._handed)
 
     def __repr__(self) -> str:
         return (f"WeightGrad({tuple(self.weight.shape)}, "
