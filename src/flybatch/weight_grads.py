@@ -162,7 +162,7 @@ class _WeightGradient(torch.autograd.Function):
             products.append((part, kernels.weight_gradient(dy, x) if fast else dy.t().mm(x)))
             deferred_counts["products"] += 1
         shape = ctx.shape
-        part, dw = products[0]
+        dw = products[0][1]
         if len(products) == 1 and dw.numel() == shape.numel():
             return dw.reshape(shape), None
         out = dw.new_zeros(shape)  # a matrix no launch handed in gets no gradient: zeros

@@ -370,9 +370,7 @@ def _mode_process(argv: list[str]) -> None:
     s = Settings(**json.loads(settings))
     torch.set_num_threads(s.threads)
     torch.set_num_interop_threads(s.threads)
-    data = prepare(task_name, s.data_dir, seed=s.seed, n_synthetic=s.n_synthetic)
-    gc.collect()
-    gc.freeze()  # as run_task does
+    data = _load(task_name, s)
     flops = MinibatchFlops(task_name, data, s.batch_size, s.seed, s.warmup, s.device, _shard)
     try:
         rec = run_mode(task_name, mode, data, s, flops)
@@ -493,13 +491,19 @@ def environment(s: Settings) -> dict[str, Any]:
             "batch_size": s.batch_size, "seconds": s.seconds}
 
 
-def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, Any]]:
-    """Every mode of one task; appends each result to ``s.out`` as it is made."""
+def _load(task_name: str, s: Settings) -> TaskData:
+    """The task's data, its objects frozen out of the cyclic GC: the data set is hundreds of
+    thousands of long-lived Python objects, which every full collection would otherwise rescan,
+    in every mode, mid-minibatch."""
     data = prepare(task_name, s.data_dir, seed=s.seed, n_synthetic=s.n_synthetic)
-    # The data set is hundreds of thousands of long-lived Python objects; without this every
-    # full collection of Python's cyclic GC rescans them all, in every mode, mid-minibatch.
     gc.collect()
     gc.freeze()
+    return data
+
+
+def run_task(task_name: str, modes: list[str], s: Settings) -> list[dict[str, Any]]:
+    """Every mode of one task; appends each result to ``s.out`` as it is made."""
+    data = _load(task_name, s)
     real = s.data_dir is not None and task_name != "bilstm-synthetic"
     meta = {**environment(s), "data": "real" if real else "synthetic",
             "train_size": len(data.train), "dev_size": len(data.dev)}
